@@ -1,0 +1,132 @@
+"""Attention kernels behind one function: XLA everywhere, cudnn flash attention on GPU, splash attention on TPU.
+
+``attention()`` picks the kernel from the backend and the shapes; the accelerator kernels are used only where they
+apply, so every configuration also runs on CPU through the XLA path. Axis legend as in model.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax import sharding
+
+Array = jax.Array
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of this many tokens
+
+_log = logging.getLogger(__name__)
+
+
+def choose_implementation(requested: str, backend: str, *, q_len: int, kv_len: int, head_dim: int, dtype,
+                          has_segment_ids: bool, has_positions: bool) -> str:
+  """The kernel that runs: the requested (or, for "auto", the backend's) accelerator kernel when it applies to these
+  shapes, otherwise "xla". Explicit positions (a KV cache) always need the XLA path's positional mask."""
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {requested!r}")
+  if requested == "xla" or has_positions:
+    return "xla"
+  wanted = requested if requested != "auto" else {"gpu": "cudnn", "tpu": "splash"}.get(backend, "xla")
+  if wanted == "cudnn":
+    # cuDNN's fused kernel: GPU, half precision, head_dim a multiple of 8 up to 128; packed segments go to XLA.
+    ok = (backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+          and head_dim <= 128 and not has_segment_ids)
+  elif wanted == "splash":
+    ok = (backend == "tpu" and q_len == kv_len and q_len % SPLASH_BLOCK == 0 and head_dim % 64 == 0)
+  else:
+    ok = False
+  if not ok and requested != "auto":
+    _log.warning("attention=%r does not apply on backend %r with these shapes; using the XLA kernel", requested,
+                 backend)
+  return wanted if ok else "xla"
+
+
+def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids: Array | None = None,
+              kv_segment_ids: Array | None = None, q_positions: Array | None = None,
+              kv_positions: Array | None = None, implementation: str = "auto") -> Array:
+  """Causal grouped-query attention; returns [B, T, N, H] in the dtype of q.
+
+  Without positions, T == S and causality is by index (self-attention over one sequence, packed or not). With
+  positions (decoding against a KV cache), key s is visible to query t when kv_positions[s] <= q_positions[t].
+  Segment ids restrict attention to equal ids (packed sequences; id 0 is padding).
+  """
+  impl = choose_implementation(
+      implementation, jax.default_backend(), q_len=q_BTNH.shape[1], kv_len=k_BSKH.shape[1],
+      head_dim=q_BTNH.shape[-1], dtype=q_BTNH.dtype, has_segment_ids=q_segment_ids is not None,
+      has_positions=q_positions is not None)
+  if impl == "cudnn":
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
+  if impl == "splash":
+    return splash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids=q_segment_ids)
+  return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                       q_positions=q_positions, kv_positions=kv_positions)
+
+
+def xla_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids=None, kv_segment_ids=None,
+                  q_positions=None, kv_positions=None) -> Array:
+  """Plain einsum attention. Query heads are grouped [K, G] so each kv head serves its G query heads without a copy."""
+  batch, q_len, n_heads, head_dim = q_BTNH.shape
+  kv_len, n_kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
+  q_BTKGH = q_BTNH.reshape(batch, q_len, n_kv_heads, n_heads // n_kv_heads, head_dim)
+  # Scores and softmax in float32 whatever the compute dtype: bf16 logits lose the small differences softmax needs.
+  scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+  scores_BKGTS = scores_BKGTS * (1.0 / np.sqrt(head_dim))
+
+  if q_positions is None:
+    visible_BTS = jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))[None]
+  else:
+    visible_BTS = kv_positions[:, None, :] <= q_positions[:, :, None]
+  if q_segment_ids is not None:
+    visible_BTS = visible_BTS & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+  # A large finite value rather than -inf: a fully masked row (padding) then gives a uniform row, never NaN.
+  scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -0.7 * jnp.finfo(jnp.float32).max)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+  out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
+  return out_BTKGH.reshape(batch, q_len, n_heads, head_dim)
+
+
+def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None,
+                     interpret: bool = False) -> Array:
+  """TPU splash (block-sparse flash) attention, causal, with optional segment ids.
+
+  The kernel works on one sequence and one kv head at a time ([G, T, H] queries against [S, H] keys), so it is
+  vmapped over batch and kv heads, and run per device under ``shard_map`` when a mesh is active: batch and heads are
+  split across devices by the same logical rules as the activations. ``interpret=True`` runs it on CPU (tests).
+  """
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  batch, q_len, n_heads, head_dim = q_BTNH.shape
+  n_kv_heads = k_BSKH.shape[2]
+  groups = n_heads // n_kv_heads
+  q_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(head_dim), q_BTNH.dtype)  # the kernel does not scale
+
+  def local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+    mask = splash.MultiHeadMask([splash.CausalMask((q_len, q_len)) for _ in range(groups)])
+    kernel = splash.make_splash_mqa_single_device(mask, interpret=interpret)
+    q_BKGTH = q_BTNH.reshape(q_BTNH.shape[0], q_len, -1, groups, head_dim).transpose(0, 2, 3, 1, 4)
+    k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
+    v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
+
+    def one(q_GTH, k_SH, v_SH, seg_T):
+      ids = None if seg_T is None else splash.SegmentIds(q=seg_T, kv=seg_T)
+      return kernel(q_GTH, k_SH, v_SH, segment_ids=ids)
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    seg_axis = None if segment_ids_BT is None else 0
+    out_BKGTH = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis))(q_BKGTH, k_BKSH, v_BKSH, segment_ids_BT)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
+
+  specs = sharding.active_specs({
+      "q": ("activation_batch", None, "activation_heads", None),
+      "kv": ("activation_batch", None, "activation_kv_heads", None),
+      "seg": ("activation_batch", None),
+  })
+  if specs is None:
+    return local(q_BTNH, k_BSKH, v_BSKH, segment_ids)
+  seg_spec = None if segment_ids is None else specs["seg"]
+  run = jax.shard_map(local, in_specs=(specs["q"], specs["kv"], specs["kv"], seg_spec),
+                      out_specs=specs["q"], check_vma=False)
+  return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)

@@ -1,0 +1,209 @@
+"""LLaMA 2 as flax.nnx modules: RMSNorm, rotary embedding, grouped-query attention, SwiGLU MLP, Block, Llama.
+
+Axis legend used in every einsum and array name of the package:
+  B batch, T query length, S key/value length, N query heads, K kv heads, G = N / K query heads per kv head,
+  H head dim, D model dim, F mlp hidden, V vocab, L layers.
+
+Parameters carry logical axis names (see ``config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
+config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
+norms, softmax and logits are computed in float32.
+
+RoPE layout: the HF transformers convention (rotate the two *halves* of each head, ``rotate_half``), so HF Llama
+weights load without any permutation. Meta's original checkpoints rotate *interleaved pairs*; their wq/wk rows must be
+permuted on the way in (see ``convert.permute_meta_qk``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llama_jax import attention as attention_lib
+from llama_jax import sharding
+from llama_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, cfg: ModelConfig, init=None) -> nnx.Param:
+  init = init or jax.nn.initializers.normal(cfg.init_std)
+  value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
+  return nnx.Param(value, out_sharding=logical_axes)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) · scale, with the statistics in float32 (as Meta and HF do) and the result in the input dtype."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = _param(rngs, (cfg.dim,), ("norm",), cfg, init=jax.nn.initializers.ones)
+
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return normed.astype(x.dtype) * self.scale.value.astype(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies θ^(-2i/H) of each rotated pair, with linear or llama3 context scaling applied."""
+  head_dim = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if cfg.rope_scaling == "linear":
+    inv_freq = inv_freq / cfg.rope_scaling_factor
+  elif cfg.rope_scaling == "llama3":
+    # Long wavelengths are stretched by the factor, short ones kept, and the band between blended smoothly.
+    factor = cfg.rope_scaling_factor
+    low_freq_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    high_freq_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    inv_freq = np.where(is_medium, blended, scaled)
+  return inv_freq.astype(np.float32)
+
+
+class RotaryEmbedding(nnx.Module):
+  """Rotates each head's two halves by position-dependent angles (HF `rotate_half` layout); no parameters."""
+
+  def __init__(self, cfg: ModelConfig):
+    self.cfg = cfg
+
+  def __call__(self, x_BTXH: Array, positions_BT: Array) -> Array:
+    inv_freq = jnp.asarray(rope_inverse_frequencies(self.cfg))
+    # Angles in float32: bf16 positions × frequencies lose whole radians past a few hundred tokens.
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(angles_BTh)[:, :, None, :]
+    sin = jnp.sin(angles_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTXH.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTXH.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention: N query heads share K kv heads (G = N / K); kv heads are never repeated."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, n, k, h = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg)
+    self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg)
+    self.rope = RotaryEmbedding(cfg)
+
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+    dtype = x_BTD.dtype
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq.value.astype(dtype))
+    k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wk.value.astype(dtype))
+    v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wv.value.astype(dtype))
+    q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
+    k_BSKH = sharding.constrain(k_BSKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
+    q_BTNH = self.rope(q_BTNH, positions_BT)
+    k_BSKH = self.rope(k_BSKH, positions_BT)
+    out_BTNH = attention_lib.attention(
+        q_BTNH, k_BSKH, v_BSKH,
+        q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
+        implementation=self.cfg.attention)
+    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo.value.astype(dtype))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) · up(x)); the width F follows LLaMA's rule (``ModelConfig.hidden_dim``)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f = cfg.dim, cfg.hidden_dim
+    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg)
+    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg)
+    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg)
+
+  def __call__(self, x_BTD: Array) -> Array:
+    dtype = x_BTD.dtype
+    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate.value.astype(dtype))
+    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up.value.astype(dtype))
+    hidden_BTF = sharding.constrain(jax.nn.silu(gate_BTF) * up_BTF,
+                                    ("activation_batch", "activation_length", "activation_mlp"))
+    return jnp.einsum("BTF,FD->BTD", hidden_BTF, self.w_down.value.astype(dtype))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(·))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.attention_norm = RMSNorm(cfg, rngs=rngs)
+    self.attention = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+    h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), positions_BT, segment_ids_BT)
+    out_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
+    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed"))
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Llama(nnx.Module):
+  """Token embedding → L stacked blocks (run by ``lax.scan``) → final RMSNorm → LM head (tied or not)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    # Shardings are applied by the caller (sharding.init_model: abstract init, then jit with out_shardings), so the
+    # model can also be built with no mesh at all (tests, conversion).
+    with nnx.use_eager_sharding(False):
+      self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
+
+      # One Block whose every parameter has a leading "layers" axis, so the forward pass is a single scan.
+      @nnx.split_rngs(splits=cfg.n_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make_layers(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+      self.layers = make_layers(rngs)
+      self.final_norm = RMSNorm(cfg, rngs=rngs)
+      self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None,
+               segment_ids_BT: Array | None = None) -> Array:
+    """Float32 logits [B, T, V]. Positions default to 0..T-1; tokens attend only within their segment id
+    (packed sequences), and segment id 0 marks padding when segment ids are given."""
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    x_BTD = jnp.take(self.embed.value, tokens_BT, axis=0).astype(dtype)
+    x_BTD = sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def run_layer(h_BTD, one_layer_state):
+      block = nnx.merge(graphdef, one_layer_state, copy=True)
+      return block(h_BTD, positions_BT, segment_ids_BT), None
+
+    if cfg.remat != "none":
+      run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
+    else:
+      for i in range(cfg.n_layers):
+        x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
+
+    x_BTD = self.final_norm(x_BTD)
+    if self.lm_head is None:
+      logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed.value.astype(dtype),
+                              preferred_element_type=jnp.float32)
+    else:
+      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head.value.astype(dtype),
+                              preferred_element_type=jnp.float32)
+    return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
