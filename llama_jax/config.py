@@ -190,3 +190,57 @@ def load_run_config(path: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
+
+
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+  """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
+  one-line error and exit status 2, instead of a traceback."""
+  import sys
+
+  from absl import flags
+
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    cause = e
+    while cause.__context__ is not None and isinstance(e, AttributeError):
+      cause = cause.__context__  # ml_collections wraps the KeyError that holds the "did you mean" hint
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    what = f"unknown config key {cause}" if isinstance(cause, KeyError) else str(cause)
+    print(f"error: bad flag or config override {overrides or argv[1:]}: {what}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_config_from_flag_or_exit(config_flag) -> tuple[Any, ModelConfig]:
+  """(run config, model config) of a ``DEFINE_config_file`` flag; a missing file or a bad value exits with status 2
+  and one line that names it."""
+  import sys
+
+  try:
+    run_config = config_flag.value
+    return run_config, model_config_from(run_config)
+  except (OSError, ConfigError) as e:
+    message = f"cannot load config file {str(e).split()[-1]}" if isinstance(e, OSError) else str(e)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None) -> None:
+  """``python -m llama_jax.config --config configs/X.py [--config.a.b=v]``: print the resolved run config."""
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
+  flags.mark_flags_as_required(["config"])
+
+  def show(_):
+    run_config, model = run_config_from_flag_or_exit(config_flag)
+    print(run_config)
+    print(f"model ({model.num_params():,} parameters, MLP width {model.hidden_dim}):")
+    print(model.to_json())
+
+  app.run(show, argv, flags_parser=parse_flags_or_exit)
+
+
+if __name__ == "__main__":
+  main()

@@ -32,7 +32,9 @@ Array = jax.Array
 def _param(rngs: nnx.Rngs, shape, logical_axes, cfg: ModelConfig, init=None) -> nnx.Param:
   init = init or jax.nn.initializers.normal(cfg.init_std)
   value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
-  return nnx.Param(value, out_sharding=logical_axes)
+  # No eager sharding: shardings are applied by the caller (sharding.init_model: abstract init, then jit with
+  # out_shardings), so modules can also be built with no mesh at all (tests, conversion).
+  return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -45,7 +47,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: Array) -> Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return normed.astype(x.dtype) * self.scale.value.astype(x.dtype)
+    return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -100,9 +102,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
     dtype = x_BTD.dtype
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq.value.astype(dtype))
-    k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wk.value.astype(dtype))
-    v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wv.value.astype(dtype))
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
+    k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wk[...].astype(dtype))
+    v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wv[...].astype(dtype))
     q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
     k_BSKH = sharding.constrain(k_BSKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
     q_BTNH = self.rope(q_BTNH, positions_BT)
@@ -111,7 +113,7 @@ class Attention(nnx.Module):
         q_BTNH, k_BSKH, v_BSKH,
         q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
         implementation=self.cfg.attention)
-    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo.value.astype(dtype))
+    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype))
 
 
 class MLP(nnx.Module):
@@ -125,11 +127,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype
-    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate.value.astype(dtype))
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up.value.astype(dtype))
+    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate[...].astype(dtype))
+    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up[...].astype(dtype))
     hidden_BTF = sharding.constrain(jax.nn.silu(gate_BTF) * up_BTF,
                                     ("activation_batch", "activation_length", "activation_mlp"))
-    return jnp.einsum("BTF,FD->BTD", hidden_BTF, self.w_down.value.astype(dtype))
+    return jnp.einsum("BTF,FD->BTD", hidden_BTF, self.w_down[...].astype(dtype))
 
 
 class Block(nnx.Module):
@@ -159,20 +161,17 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    # Shardings are applied by the caller (sharding.init_model: abstract init, then jit with out_shardings), so the
-    # model can also be built with no mesh at all (tests, conversion).
-    with nnx.use_eager_sharding(False):
-      self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
 
-      # One Block whose every parameter has a leading "layers" axis, so the forward pass is a single scan.
-      @nnx.split_rngs(splits=cfg.n_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def make_layers(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs)
+    # One Block whose every parameter has a leading "layers" axis, so the forward pass is a single scan.
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs: nnx.Rngs) -> Block:
+      return Block(cfg, rngs=rngs)
 
-      self.layers = make_layers(rngs)
-      self.final_norm = RMSNorm(cfg, rngs=rngs)
-      self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(cfg, rngs=rngs)
+    self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
 
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None,
                segment_ids_BT: Array | None = None) -> Array:
@@ -182,7 +181,7 @@ class Llama(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-    x_BTD = jnp.take(self.embed.value, tokens_BT, axis=0).astype(dtype)
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     x_BTD = sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
     graphdef, layer_state = nnx.split(self.layers)
@@ -201,9 +200,9 @@ class Llama(nnx.Module):
 
     x_BTD = self.final_norm(x_BTD)
     if self.lm_head is None:
-      logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed.value.astype(dtype),
+      logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed[...].astype(dtype),
                               preferred_element_type=jnp.float32)
     else:
-      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head.value.astype(dtype),
+      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(dtype),
                               preferred_element_type=jnp.float32)
     return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))

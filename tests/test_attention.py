@@ -1,0 +1,86 @@
+"""The attention dispatch: kernel selection by backend and shape, and every kernel against the XLA reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import attention
+
+
+def random_qkv(batch=2, length=128, n_heads=4, n_kv_heads=2, head_dim=64, seed=0):
+  rng = np.random.RandomState(seed)
+  q = rng.randn(batch, length, n_heads, head_dim).astype(np.float32)
+  k = rng.randn(batch, length, n_kv_heads, head_dim).astype(np.float32)
+  v = rng.randn(batch, length, n_kv_heads, head_dim).astype(np.float32)
+  return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def choose(requested, backend, **overrides):
+  shapes = dict(q_len=256, kv_len=256, head_dim=128, dtype=jnp.bfloat16, has_segment_ids=False,
+                has_positions=False)
+  shapes.update(overrides)
+  return attention.choose_implementation(requested, backend, **shapes)
+
+
+def test_selection_by_backend():
+  assert choose("auto", "cpu") == "xla"
+  assert choose("auto", "gpu") == "cudnn"
+  assert choose("auto", "tpu") == "splash"
+  assert choose("xla", "gpu") == "xla" and choose("xla", "tpu") == "xla"
+
+
+def test_accelerator_kernels_fall_back_to_xla_where_they_do_not_apply():
+  assert choose("cudnn", "cpu") == "xla"  # explicit request on the wrong backend never breaks CPU
+  assert choose("splash", "cpu") == "xla"
+  assert choose("auto", "gpu", dtype=jnp.float32) == "xla"  # cudnn flash attention is half precision only
+  assert choose("auto", "gpu", head_dim=256) == "xla"
+  assert choose("auto", "gpu", has_segment_ids=True) == "xla"
+  assert choose("auto", "tpu", q_len=100, kv_len=100) == "xla"  # splash tiles by 128
+  assert choose("auto", "tpu", has_positions=True) == "xla"  # decoding against a cache: positional mask
+  assert choose("auto", "gpu", has_positions=True) == "xla"
+  with pytest.raises(ValueError, match="attention implementation must be one of"):
+    choose("flash", "cpu")
+
+
+def reference_attention(q, k, v, segment_ids=None):
+  """Repeats kv heads (the textbook form) to check the grouped einsum that avoids the copy."""
+  groups = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+  scores = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
+  mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None, None]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  scores = jnp.where(mask, scores, -jnp.inf)
+  return jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_xla_grouped_attention_equals_repeated_kv_heads(n_kv_heads):
+  q, k, v = random_qkv(length=32, n_kv_heads=n_kv_heads)
+  np.testing.assert_allclose(attention.xla_attention(q, k, v), reference_attention(q, k, v), atol=1e-5)
+
+
+def test_positional_mask_equals_index_causal_mask_for_self_attention():
+  q, k, v = random_qkv(length=32)
+  positions = jnp.broadcast_to(jnp.arange(32) + 11, (2, 32))
+  np.testing.assert_allclose(attention.xla_attention(q, k, v, q_positions=positions, kv_positions=positions),
+                             attention.xla_attention(q, k, v), atol=1e-6)
+
+
+def test_fully_masked_padding_rows_stay_finite():
+  q, k, v = random_qkv(length=16)
+  segment_ids = jnp.asarray([[1] * 8 + [0] * 8, [1] * 16])
+  positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  out = attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                q_positions=positions, kv_positions=positions - 100)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_splash_kernel_in_interpret_mode_equals_xla_with_segments():
+  """The TPU kernel's wrapper (scaling, GQA grouping, segment ids, layouts), run by the Pallas interpreter on CPU."""
+  q, k, v = random_qkv(batch=1, length=128, n_heads=4, n_kv_heads=2, head_dim=64)
+  segment_ids = jnp.asarray([[1] * 50 + [2] * 78])
+  out = attention.splash_attention(q, k, v, segment_ids=segment_ids, interpret=True)
+  expected = reference_attention(q, k, v, segment_ids)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5)
