@@ -4,8 +4,13 @@ Layout of a checkpoint directory (from training or from ``convert --from_hf``):
 
     DIR/model_config.json      the ModelConfig (everything needed to rebuild the model)
     DIR/tokenizer.model        the sentencepiece model, when there is one
+    DIR/run_config.json        the run config, when the directory is a training workdir
     DIR/checkpoints/<step>/    orbax CheckpointManager steps; item "params" holds the parameters as a plain
-                               nested dict (``nnx.to_pure_dict``) so leaf paths read like ``layers/attention/wq``
+                               nested dict (``nnx.to_pure_dict``) so leaf paths read like ``layers/attention/wq``;
+                               training adds "train" (step, optimizer state, RNG) and "data" (grain iterator state)
+
+Only complete steps are visible: orbax writes a step under a temporary name and renames it when every item is
+written, so a process killed mid-save leaves the previous step as the latest.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from flax import nnx
 from llama_jax.config import ModelConfig
 
 CONFIG_FILE = "model_config.json"
+RUN_CONFIG_FILE = "run_config.json"
 TOKENIZER_FILE = "tokenizer.model"
 STEPS_DIR = "checkpoints"
 
@@ -30,10 +36,19 @@ class CheckpointError(ValueError):
   """A checkpoint directory is missing, incomplete or does not match; the message names the path."""
 
 
+# Fields that fix parameter shapes and dtypes: a workdir whose checkpoint differs in any of them is refused.
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "tie_embeddings",
+                "param_dtype")
+
+
+def _steps_path(directory: str) -> str:
+  # gs:// and other remote paths go to orbax as they are; local paths are made absolute (orbax requires it).
+  return os.path.join(directory if "://" in directory else os.path.abspath(directory), STEPS_DIR)
+
+
 def _manager(directory: str, create: bool) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(create=create, enable_async_checkpointing=False)
-  return ocp.CheckpointManager(os.path.join(os.path.abspath(directory), STEPS_DIR), options=options,
-                               item_names=("params",))
+  return ocp.CheckpointManager(_steps_path(directory), options=options, item_names=("params",))
 
 
 def save_params_dir(directory: str, cfg: ModelConfig, params: Any, step: int = 0,
@@ -91,3 +106,67 @@ def load_params(directory: str, step: int | None = None, shardings: Any = None) 
   restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
   manager.close()
   return cfg, restored["params"]
+
+
+def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+  return [f"{name} {getattr(saved, name)} → {getattr(current, name)}" for name in SHAPE_FIELDS
+          if getattr(saved, name) != getattr(current, name)]
+
+
+class TrainCheckpointer:
+  """Training checkpoints of a workdir: async saves, the last `keep` steps plus every `keep_every`-th, resume from the
+  latest complete step. Items: "params", "train" (step, optimizer state, RNG), "data" (iterator state, JSON)."""
+
+  def __init__(self, workdir: str, keep: int = 3, keep_every: int = 0, async_save: bool = True):
+    self.workdir = workdir
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every or None, create=True,
+                                           enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(_steps_path(workdir), options=options,
+                                         item_names=("params", "train", "data"))
+
+  def check_compatible(self, cfg: ModelConfig) -> None:
+    """Refuses a workdir holding checkpoints of another model shape: they are never overwritten."""
+    path = os.path.join(self.workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+      if self.manager.latest_step() is not None:
+        raise CheckpointError(f"workdir {self.workdir!r} holds checkpoints but no {CONFIG_FILE}; use a new --workdir")
+      return
+    saved = read_model_config(self.workdir)
+    differences = shape_differences(saved, cfg)
+    if differences and self.manager.latest_step() is not None:
+      raise CheckpointError(f"workdir {self.workdir!r} holds a checkpoint of a different model "
+                            f"({', '.join(differences)}); use a new --workdir or the saved model config")
+
+  def write_metadata(self, cfg: ModelConfig, run_config_json: str, tokenizer_bytes: bytes | None) -> None:
+    os.makedirs(self.workdir, exist_ok=True)
+    for name, content in ((CONFIG_FILE, cfg.to_json().encode()), (RUN_CONFIG_FILE, run_config_json.encode()),
+                          (TOKENIZER_FILE, tokenizer_bytes)):
+      if content is not None:
+        tmp = os.path.join(self.workdir, name + ".tmp")
+        with open(tmp, "wb") as f:
+          f.write(content)
+        os.replace(tmp, os.path.join(self.workdir, name))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: dict[str, Any], data_state: dict[str, Any]) -> None:
+    """Starts a save of the train state; returns once the arrays are copied off the devices (async write after)."""
+    train = {k: v for k, v in state.items() if k != "params"}
+    self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
+                                                     train=ocp.args.StandardSave(train),
+                                                     data=ocp.args.JsonSave(data_state)), force=True)
+
+  def restore(self, step: int, abstract_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    abstract_train = {k: v for k, v in abstract_state.items() if k != "params"}
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_state["params"]), train=ocp.args.StandardRestore(abstract_train),
+        data=ocp.args.JsonRestore()))
+    return {"params": restored["params"], **restored["train"]}, restored["data"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

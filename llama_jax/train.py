@@ -1,0 +1,463 @@
+"""Training: a pure, jitted ``train_step(state, batch) -> (state, metrics)``, evaluation, and the loop around them.
+
+    python -m llama_jax.train --config configs/tiny.py [--workdir DIR] [--config.train.steps=...]
+
+The loop is restartable: rerunning the same command with the same workdir resumes from the latest complete
+checkpoint, with the same data order, and reaches bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llama_jax import checkpoint as checkpoint_lib
+from llama_jax import data as data_lib
+from llama_jax import sharding
+from llama_jax.config import ConfigError, ModelConfig, model_config_from
+from llama_jax.model import Llama
+
+_log = logging.getLogger(__name__)
+State = dict[str, Any]  # {"step": int32[], "params": pure dict, "opt_state": optax state, "rng": uint32[2]}
+
+# Dense bf16 peak FLOP/s per chip, for MFU when train.peak_flops_per_device is 0.
+PEAK_FLOPS_BY_DEVICE_KIND = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optimizer and FLOPs
+
+
+def decay_mask(params: Any) -> Any:
+  """AdamW weight decay on matrices only: norm scales (stored stacked, so 2-D) are excluded by name."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+
+
+def learning_rate_schedule(train_cfg) -> optax.Schedule:
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
+      decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1), end_value=train_cfg.lr * train_cfg.min_lr_ratio)
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+  adamw = optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
+                      weight_decay=train_cfg.weight_decay, mask=decay_mask)
+  if train_cfg.clip_norm:
+    return optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), adamw)
+  return adamw
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward = 3 × forward): 6 per matmul weight, plus attention's QKᵀ and PV
+  (counted in full, as PaLM's MFU does, though the causal half is masked)."""
+  d, h = cfg.dim, cfg.head_dim
+  per_layer = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.hidden_dim
+  matmul_weights = cfg.n_layers * per_layer + cfg.vocab_size * d  # + LM head; the embedding lookup is no matmul
+  return 6.0 * matmul_weights + 12.0 * cfg.n_layers * cfg.n_heads * h * seq_len
+
+
+def peak_flops_per_device(configured: float) -> float:
+  if configured:
+    return configured
+  kind = jax.devices()[0].device_kind
+  for name, flops in PEAK_FLOPS_BY_DEVICE_KIND.items():
+    if kind.startswith(name):
+      return flops
+  return measured_matmul_flops()
+
+
+@functools.lru_cache(maxsize=1)
+def measured_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
+  """A float32 matmul's FLOP/s on this device: the peak MFU is quoted against on CPU."""
+  a = jnp.ones((size, size), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * size**3 / best
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps
+
+
+def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """Per-token cross-entropy [B, T] (float32) and the per-token weights (loss mask; 1 where absent)."""
+  model = nnx.merge(graphdef, params)
+  logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+  targets = batch["targets"]
+  # log-sum-exp minus the target logit: the same value as log_softmax + gather, without a second [B, T, V] array.
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  losses = jax.nn.logsumexp(logits, axis=-1) - target_logits
+  weights = batch.get("weights")
+  weights = jnp.ones_like(losses) if weights is None else weights.astype(jnp.float32)
+  return losses, weights
+
+
+def train_step(state: State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int) -> tuple[State, dict]:
+  """One optimizer step on a global batch, split into `grad_accum` micro-batches scanned in order.
+
+  Gradients are of the *summed* token loss and divided by the total weight at the end, so accumulation gives the
+  gradient of the whole batch's mean loss, whatever the split.
+  """
+  params = state["params"]
+  # No dropout in LLaMA, but every step gets its own key so that stochastic additions stay reproducible on resume.
+  _ = jax.random.fold_in(state["rng"], state["step"])
+
+  def summed_loss(params, micro):
+    losses, weights = token_losses(params, graphdef, micro)
+    return jnp.sum(losses * weights), jnp.sum(weights)
+
+  grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+  if grad_accum == 1:
+    (loss_sum, weight_sum), grads = grad_fn(params, batch)
+  else:
+    micro_batches = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+
+    def accumulate(carry, micro):
+      (loss_sum, weight_sum), grads = grad_fn(params, micro)
+      return jax.tree.map(jnp.add, carry, (loss_sum, weight_sum, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    (loss_sum, weight_sum, grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
+  denominator = jnp.maximum(weight_sum, 1.0)
+  grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, params)
+  updates, opt_state = tx.update(grads, state["opt_state"], params)
+  new_state = dict(state, step=state["step"] + 1, params=optax.apply_updates(params, updates), opt_state=opt_state)
+  metrics = dict(loss=loss_sum / denominator, grad_norm=optax.global_norm(grads), lr=schedule(state["step"]),
+                 tokens=weight_sum)
+  return new_state, metrics
+
+
+def eval_step(params: Any, batch: dict[str, jax.Array], token_bytes: jax.Array, *,
+              graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
+  """Sums over a batch: loss (nats), tokens, and the UTF-8 bytes those tokens stand for (for bits per byte)."""
+  losses, weights = token_losses(params, graphdef, batch)
+  return dict(loss_sum=jnp.sum(losses * weights), tokens=jnp.sum(weights),
+              bytes=jnp.sum(token_bytes[batch["targets"]] * weights))
+
+
+def summarize_eval(sums: dict[str, float]) -> dict[str, float]:
+  loss = sums["loss_sum"] / max(sums["tokens"], 1.0)
+  return dict(loss=loss, perplexity=math.exp(min(loss, 50.0)),
+              bits_per_byte=sums["loss_sum"] / math.log(2) / max(sums["bytes"], 1.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer: state shardings, initialisation, compiled steps
+
+
+class Trainer:
+  """Everything compiled for one run: shardings of the state and batches, the jitted train and eval steps."""
+
+  def __init__(self, model_cfg: ModelConfig, run_config, mesh: jax.sharding.Mesh):
+    self.model_cfg, self.run_config, self.mesh = model_cfg, run_config, mesh
+    self.rules = tuple(tuple(rule) for rule in run_config.logical_axis_rules)
+    train_cfg = run_config.train
+    if train_cfg.batch_size % train_cfg.grad_accum:
+      raise ConfigError(f"train.batch_size {train_cfg.batch_size} is not divisible by train.grad_accum "
+                       f"{train_cfg.grad_accum}")
+    self.tx = make_optimizer(train_cfg)
+    self.schedule = learning_rate_schedule(train_cfg)
+    self.graphdef, abstract_state = sharding.abstract_model(Llama, model_cfg, run_config.seed)
+    param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh, self.rules))
+    abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   nnx.to_pure_dict(abstract_state), param_shardings)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    with sharding.activate(mesh, self.rules):
+      # Optimizer moments take their parameter's sharding by propagation through tx.init.
+      opt_shardings = jax.jit(self.tx.init).lower(abstract_params).compile().output_shardings
+    self.state_shardings = dict(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
+    self.batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(
+        ("activation_batch", "activation_length"), self.rules))
+    self._train_step = jax.jit(
+        functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
+                          grad_accum=train_cfg.grad_accum),
+        in_shardings=(self.state_shardings, self.batch_sharding), out_shardings=(self.state_shardings, replicated),
+        donate_argnums=0)
+    self._eval_step = jax.jit(functools.partial(eval_step, graphdef=self.graphdef),
+                              in_shardings=(param_shardings, self.batch_sharding, replicated),
+                              out_shardings=replicated)
+
+  def abstract_state(self) -> State:
+    def init():
+      return self._init_state()
+    shapes = jax.eval_shape(init)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                        self.state_shardings)
+
+  def _init_state(self) -> State:
+    params = nnx.to_pure_dict(nnx.state(Llama(self.model_cfg, rngs=nnx.Rngs(self.run_config.seed))))
+    return dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                rng=jax.random.key_data(jax.random.key(self.run_config.seed)))
+
+  def init_state(self) -> State:
+    with sharding.activate(self.mesh, self.rules):
+      return jax.jit(self._init_state, out_shardings=self.state_shardings)()
+
+  def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows → one global array per key, split over the mesh as the batch rules say."""
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in local_batch.items()}
+
+  def train_step(self, state: State, batch: dict[str, jax.Array]) -> tuple[State, dict]:
+    with sharding.activate(self.mesh, self.rules):
+      return self._train_step(state, batch)
+
+  def evaluate(self, params: Any, batches, token_bytes: jax.Array) -> dict[str, float]:
+    totals = None
+    with sharding.activate(self.mesh, self.rules):
+      for batch in batches:
+        sums = self._eval_step(params, self.global_batch(batch), token_bytes)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is None:
+      return {}
+    return summarize_eval({k: float(v) for k, v in jax.device_get(totals).items()})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Metrics output
+
+
+class MetricsWriter:
+  """One line to stdout, metrics.jsonl and TensorBoard events in the workdir; process 0 only."""
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.enabled = enabled
+    self._jsonl = self._tensorboard = None
+    if enabled:
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      try:
+        from tensorboardX import SummaryWriter
+        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      except ImportError:
+        _log.warning("tensorboardX is not installed; no TensorBoard events")
+
+  def write(self, step: int, metrics: dict[str, float], prefix: str = "", echo: Callable[[str], None] = print):
+    if not self.enabled:
+      return
+    record = {"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tensorboard is not None:
+      for key, value in metrics.items():
+        self._tensorboard.add_scalar(f"{prefix}{key}", value, step)
+      self._tensorboard.flush()
+    echo(f"step {step:>6d} | " + " | ".join(f"{prefix}{k} {_format(v)}" for k, v in metrics.items()))
+
+  def close(self):
+    if self._jsonl:
+      self._jsonl.close()
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+
+
+def _format(value: float) -> str:
+  if isinstance(value, int) or (abs(value) >= 1000 and float(value).is_integer()):
+    return f"{int(value):,}"
+  return f"{value:.4g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def load_tokenizer_for_run(run_config, workdir: str, train_docs) -> "Tokenizer":  # noqa: F821
+  """The configured tokenizer, the workdir's (on resume), or one trained on the training documents."""
+  from llama_jax.tokenizer import Tokenizer, train_tokenizer
+
+  if run_config.data.tokenizer:
+    return Tokenizer(run_config.data.tokenizer)
+  saved = os.path.join(workdir, checkpoint_lib.TOKENIZER_FILE)
+  if os.path.isfile(saved):
+    return Tokenizer(saved)
+  if jax.process_count() > 1:
+    raise data_lib.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
+  corpus_dir = os.path.join(workdir, "tokenizer")
+  os.makedirs(corpus_dir, exist_ok=True)
+  corpus = os.path.join(corpus_dir, "corpus.txt")
+  with open(corpus, "w", encoding="utf-8") as f:
+    for ref in train_docs:
+      f.write(data_lib.read_document(ref, run_config.data.text_field)[0])
+      f.write("\n")
+  path = train_tokenizer([corpus], run_config.data.vocab_size, corpus_dir, overwrite=True)
+  os.remove(corpus)
+  return Tokenizer(path)
+
+
+def train(run_config, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) a run in `workdir`; returns the last train and validation metrics."""
+  sharding.maybe_initialize_distributed()
+  model_cfg = model_config_from(run_config)
+  train_cfg, data_cfg = run_config.train, run_config.data
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  checkpointer = checkpoint_lib.TrainCheckpointer(workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every,
+                                                  async_save=train_cfg.async_save)
+  checkpointer.check_compatible(model_cfg)  # before anything is written to the workdir
+
+  train_docs, _ = data_lib.split_documents(data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction,
+                                           run_config.seed, data_cfg.text_field)
+  tokenizer = load_tokenizer_for_run(run_config, workdir, train_docs)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise data_lib.DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                             f"{model_cfg.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size}")
+  prepared_dir = data_cfg.prepared_dir or os.path.join(workdir, "data")
+  meta = data_lib.prepare(data_cfg.sources, data_cfg.val_sources, tokenizer, prepared_dir,
+                          val_fraction=data_cfg.val_fraction, seed=run_config.seed, text_field=data_cfg.text_field)
+  dataset = data_lib.train_dataset(prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed,
+                                   jax.process_index(), jax.process_count())
+  if is_main:
+    checkpointer.write_metadata(model_cfg, run_config.to_json_best_effort(), tokenizer.serialized())
+
+  mesh = sharding.make_mesh(run_config.mesh)
+  trainer = Trainer(model_cfg, run_config, mesh)
+  data_iter = iter(dataset)
+  start = checkpointer.latest_step()
+  if start is None:
+    state = trainer.init_state()
+    start = 0
+  else:
+    state, data_state = checkpointer.restore(start, trainer.abstract_state())
+    data_iter.set_state(data_state)
+    _log.info("resumed from step %d", start)
+  token_bytes = jax.device_put(np.asarray(tokenizer.token_byte_lengths(), np.float32),
+                               NamedSharding(mesh, PartitionSpec()))
+
+  writer = MetricsWriter(workdir, is_main)
+  tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+  model_flops = flops_per_token(model_cfg, train_cfg.seq_len) * tokens_per_step
+  peak = peak_flops_per_device(train_cfg.peak_flops_per_device) * jax.device_count()
+  stop = _StopFlag()
+  progress = _progress_bar(start, train_cfg.steps, is_main)
+  echo = progress.write if progress is not None else print
+  if is_main:
+    echo(f"model {model_cfg.num_params():,} params | mesh {dict(mesh.shape)} | train {meta['train']['tokens']:,} "
+         f"tokens, val {meta['val']['tokens']:,} tokens | steps {start} → {train_cfg.steps}")
+
+  pending: list[dict] = []  # device metrics not yet read: fetched one step late, so the host never waits idle
+  last_train: dict[str, float] = {}
+  last_eval: dict[str, float] = {}
+  window_start, window_step = time.perf_counter(), start
+  step = start
+  try:
+    while step < train_cfg.steps and not stop.requested:
+      batch = trainer.global_batch(next(data_iter))
+      state, metrics = trainer.train_step(state, batch)
+      step += 1
+      pending.append(metrics)
+      if progress is not None:
+        progress.update(1)
+      if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+        fetched = jax.device_get(pending)
+        pending.clear()
+        elapsed = time.perf_counter() - window_start
+        steps_done = step - window_step
+        last_train = dict(
+            loss=float(np.mean([m["loss"] for m in fetched])),
+            grad_norm=float(fetched[-1]["grad_norm"]), lr=float(fetched[-1]["lr"]),
+            tokens_per_s=tokens_per_step * steps_done / elapsed, step_time_s=elapsed / steps_done,
+            mfu=model_flops * steps_done / elapsed / peak)
+        last_train["perplexity"] = math.exp(min(last_train["loss"], 50.0))
+        writer.write(step, last_train, echo=echo)
+        window_start, window_step = time.perf_counter(), step
+      if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
+        last_eval = trainer.evaluate(state["params"], data_lib.eval_batches(
+            prepared_dir, train_cfg.seq_len, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches),
+            token_bytes)
+        if last_eval:
+          writer.write(step, last_eval, prefix="val_", echo=echo)
+        window_start, window_step = time.perf_counter(), step  # evaluation time is not training throughput
+      if step % train_cfg.save_every == 0 and step < train_cfg.steps:
+        checkpointer.save(step, state, data_iter.get_state())
+    if step > (checkpointer.latest_step() or 0):
+      checkpointer.save(step, state, data_iter.get_state())
+    if stop.requested and is_main:
+      echo(f"stopped by signal at step {step}; checkpoint saved, rerun the same command to resume")
+  finally:
+    checkpointer.close()
+    writer.close()
+    stop.restore()
+    if progress is not None:
+      progress.close()
+  return dict(step=step, train=last_train, val=last_eval)
+
+
+class _StopFlag:
+  """SIGTERM (preemption) asks the loop to save and stop after the current step."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    self.requested = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
+def _progress_bar(start: int, total: int, is_main: bool):
+  if not (is_main and sys.stderr.isatty()):
+    return None
+  from tqdm import tqdm
+  return tqdm(initial=start, total=total, unit="step", dynamic_ncols=True)
+
+
+def main(argv=None) -> None:
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  from llama_jax.config import ConfigError, parse_flags_or_exit, run_config_from_flag_or_exit
+  from llama_jax.tokenizer import TokenizerError
+
+  config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
+  workdir_flag = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, data); default "
+                                     "runs/<config name>")
+  flags.mark_flags_as_required(["config"])
+
+  def run(_):
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("absl", "orbax", "jax"):
+      logging.getLogger(noisy).setLevel(logging.WARNING)
+    run_config, _ = run_config_from_flag_or_exit(config_flag)
+    config_path = flags.FLAGS["config"].config_filename
+    workdir = workdir_flag.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
+    try:
+      result = train(run_config, workdir)
+    except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, sharding.ShardingError,
+            TokenizerError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    if jax.process_index() == 0 and result["val"]:
+      print(f"done: step {result['step']}, validation loss {result['val']['loss']:.4f}, "
+            f"bits/byte {result['val']['bits_per_byte']:.4f} (workdir {workdir})")
+
+  app.run(run, argv, flags_parser=parse_flags_or_exit)
+
+
+if __name__ == "__main__":
+  main()
