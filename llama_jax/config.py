@@ -184,6 +184,7 @@ def base_run_config():
       log_every=10, eval_every=200, eval_batches=50,  # eval_batches 0: the whole validation split
       save_every=200, keep=3, keep_every=0, async_save=True,  # keep the last `keep` plus every `keep_every`-th
       peak_flops_per_device=0.0,  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
+      record_batches=False,  # append each step's batch digest to batches.jsonl (data provenance, resume checks)
   ))
   cfg.data = ml_collections.ConfigDict(dict(
       sources=("shakespeare",),  # files, directories, globs, *.jsonl, "shakespeare" or "shakespeare:play,play"

@@ -42,10 +42,11 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DocumentRef:
-  """One document: a whole file, or one line of a JSONL file."""
+  """One document: a whole file, or one line of a JSONL file (its number, for messages, and byte offset)."""
   doc_id: str
   path: str
   line: int | None = None
+  offset: int = 0
 
 
 def shakespeare_dir() -> str:
@@ -71,11 +72,12 @@ def _shakespeare_refs(spec: str) -> list[DocumentRef]:
 def _file_refs(path: str, text_field: str) -> list[DocumentRef]:
   if not path.endswith(".jsonl"):
     return [DocumentRef(os.path.abspath(path), path)]
-  refs = []
+  refs, offset = [], 0
   with open(path, "rb") as f:
     for number, line in enumerate(f, start=1):
       if line.strip():
-        refs.append(DocumentRef(f"{os.path.abspath(path)}:{number}", path, number))
+        refs.append(DocumentRef(f"{os.path.abspath(path)}:{number}", path, number, offset))
+      offset += len(line)
   return refs
 
 
@@ -109,9 +111,8 @@ def read_document(ref: DocumentRef, text_field: str = "text") -> tuple[str, int]
       raw = f.read()
   else:
     with open(ref.path, "rb") as f:
-      for number, raw_line in enumerate(f, start=1):
-        if number == ref.line:
-          break
+      f.seek(ref.offset)
+      raw_line = f.readline()
     try:
       record = json.loads(raw_line)
     except json.JSONDecodeError as e:
@@ -223,24 +224,30 @@ def prepare(sources: Sequence[str], val_sources: Sequence[str], tokenizer, out_d
 
 
 class TokenWindows:
-  """Random access to windows of seq_len + 1 tokens of a prepared split (a grain data source)."""
+  """Random access to windows of seq_len + 1 tokens of a token stream (a grain data source)."""
 
-  def __init__(self, path: str, seq_len: int, dtype: str):
-    self.path, self.seq_len, self.dtype = path, seq_len, dtype
-    self._tokens = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+  def __init__(self, tokens: np.ndarray, seq_len: int):
+    self.tokens, self.seq_len = tokens, seq_len
+
+  @classmethod
+  def open(cls, path: str, seq_len: int, dtype: str) -> "TokenWindows":
+    """Memory-maps a prepared split: nothing is read until a window is."""
+    tokens = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    return cls(tokens, seq_len)
 
   def __len__(self) -> int:
-    return max(0, (len(self._tokens) - 1) // self.seq_len)
+    return max(0, (len(self.tokens) - 1) // self.seq_len)
 
   def __getitem__(self, index: int) -> np.ndarray:
     start = index * self.seq_len
-    return np.asarray(self._tokens[start:start + self.seq_len + 1], dtype=np.int32)
+    return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
 
-  def __getstate__(self):
-    return dict(path=self.path, seq_len=self.seq_len, dtype=self.dtype)
 
-  def __setstate__(self, state):
-    self.__init__(**state)
+def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str = "text") -> np.ndarray:
+  """The documents as one in-memory token stream (bos + tokens + eos each), for evaluating files not prepared."""
+  texts = [read_document(ref, text_field)[0] for ref in refs]
+  ids = tokenizer.encode_batch([t for t in texts if t.strip()])
+  return np.asarray([t for doc in ids for t in (tokenizer.bos_id, *doc, tokenizer.eos_id)], dtype=np.int32)
 
 
 def _split_inputs_targets(windows: np.ndarray) -> dict[str, np.ndarray]:
@@ -259,7 +266,7 @@ def train_dataset(prepared_dir: str, seq_len: int, global_batch: int, seed: int,
                   process_count: int = 1) -> grain.MapDataset:
   """Endless shuffled batches of this process's share of each global batch: {"inputs", "targets"} [b, seq_len]."""
   meta = load_meta(prepared_dir)
-  windows = TokenWindows(os.path.join(prepared_dir, "train.bin"), seq_len, meta["dtype"])
+  windows = TokenWindows.open(os.path.join(prepared_dir, "train.bin"), seq_len, meta["dtype"])
   if len(windows) < global_batch:
     raise DataError(f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
                     f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
@@ -272,20 +279,22 @@ def train_dataset(prepared_dir: str, seq_len: int, global_batch: int, seed: int,
   return dataset.batch(global_batch // process_count, drop_remainder=True).map(_split_inputs_targets)
 
 
-def eval_batches(prepared_dir: str, seq_len: int, batch_size: int, max_batches: int = 0,
-                 split: str = "val") -> Iterator[dict[str, np.ndarray]]:
-  """The split's windows in order (the same every evaluation), at most `max_batches` batches (0: all). The last batch
-  is padded to `batch_size` rows whose "weights" are 0, so every window counts once and shapes never change."""
-  meta = load_meta(prepared_dir)
-  windows = TokenWindows(os.path.join(prepared_dir, f"{split}.bin"), seq_len, meta["dtype"])
+def eval_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """Windows in order (the same every evaluation), at most `max_batches` batches (0: all). The last batch is padded
+  to `batch_size` rows whose "weights" are 0, so every window counts once and shapes never change."""
   n_batches = -(-len(windows) // batch_size)
   if max_batches:
     n_batches = min(n_batches, max_batches)
   for b in range(n_batches):
     rows = [windows[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(windows)))]
-    weights = np.zeros((batch_size, seq_len), np.float32)
+    weights = np.zeros((batch_size, windows.seq_len), np.float32)
     weights[:len(rows)] = 1.0
-    rows += [np.zeros(seq_len + 1, np.int32)] * (batch_size - len(rows))
+    rows += [np.zeros(windows.seq_len + 1, np.int32)] * (batch_size - len(rows))
     batch = _split_inputs_targets(np.stack(rows))
     batch["weights"] = weights
     yield batch
+
+
+def validation_windows(prepared_dir: str, seq_len: int) -> TokenWindows:
+  meta = load_meta(prepared_dir)
+  return TokenWindows.open(os.path.join(prepared_dir, "val.bin"), seq_len, meta["dtype"])

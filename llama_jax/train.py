@@ -9,6 +9,7 @@ checkpoint, with the same data order, and reaches bit-identical parameters.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -32,6 +33,8 @@ from llama_jax.config import ConfigError, ModelConfig, model_config_from
 from llama_jax.model import Llama
 
 _log = logging.getLogger(__name__)
+# Tests set this to a step number: the process kills itself right after that step's async save starts.
+KILL_AFTER_SAVE_ENV = "LLAMA_JAX_TEST_KILL_AFTER_SAVE"
 State = dict[str, Any]  # {"step": int32[], "params": pure dict, "opt_state": optax state, "rng": uint32[2]}
 
 # Dense bf16 peak FLOP/s per chip, for MFU when train.peak_flops_per_device is 0.
@@ -299,10 +302,15 @@ def load_tokenizer_for_run(run_config, workdir: str, train_docs) -> "Tokenizer":
   corpus_dir = os.path.join(workdir, "tokenizer")
   os.makedirs(corpus_dir, exist_ok=True)
   corpus = os.path.join(corpus_dir, "corpus.txt")
+  has_text = False
   with open(corpus, "w", encoding="utf-8") as f:
     for ref in train_docs:
-      f.write(data_lib.read_document(ref, run_config.data.text_field)[0])
-      f.write("\n")
+      text = data_lib.read_document(ref, run_config.data.text_field)[0]
+      has_text = has_text or bool(text.strip())
+      f.write(text + "\n")
+  if not has_text:
+    os.remove(corpus)
+    raise data_lib.DataError(f"the training sources {list(run_config.data.sources)} contain no text")
   path = train_tokenizer([corpus], run_config.data.vocab_size, corpus_dir, overwrite=True)
   os.remove(corpus)
   return Tokenizer(path)
@@ -344,6 +352,7 @@ def train(run_config, workdir: str) -> dict[str, Any]:
     state, data_state = checkpointer.restore(start, trainer.abstract_state())
     data_iter.set_state(data_state)
     _log.info("resumed from step %d", start)
+  val_windows = data_lib.validation_windows(prepared_dir, train_cfg.seq_len)
   token_bytes = jax.device_put(np.asarray(tokenizer.token_byte_lengths(), np.float32),
                                NamedSharding(mesh, PartitionSpec()))
 
@@ -365,7 +374,10 @@ def train(run_config, workdir: str) -> dict[str, Any]:
   step = start
   try:
     while step < train_cfg.steps and not stop.requested:
-      batch = trainer.global_batch(next(data_iter))
+      local_batch = next(data_iter)
+      if train_cfg.record_batches and is_main:
+        _record_batch(workdir, step + 1, local_batch)
+      batch = trainer.global_batch(local_batch)
       state, metrics = trainer.train_step(state, batch)
       step += 1
       pending.append(metrics)
@@ -386,13 +398,14 @@ def train(run_config, workdir: str) -> dict[str, Any]:
         window_start, window_step = time.perf_counter(), step
       if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
         last_eval = trainer.evaluate(state["params"], data_lib.eval_batches(
-            prepared_dir, train_cfg.seq_len, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches),
-            token_bytes)
+            val_windows, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches), token_bytes)
         if last_eval:
           writer.write(step, last_eval, prefix="val_", echo=echo)
         window_start, window_step = time.perf_counter(), step  # evaluation time is not training throughput
       if step % train_cfg.save_every == 0 and step < train_cfg.steps:
         checkpointer.save(step, state, data_iter.get_state())
+        if os.environ.get(KILL_AFTER_SAVE_ENV) == str(step):
+          os.kill(os.getpid(), signal.SIGKILL)  # tests: a crash while the async write is in flight
     if step > (checkpointer.latest_step() or 0):
       checkpointer.save(step, state, data_iter.get_state())
     if stop.requested and is_main:
@@ -404,6 +417,12 @@ def train(run_config, workdir: str) -> dict[str, Any]:
     if progress is not None:
       progress.close()
   return dict(step=step, train=last_train, val=last_eval)
+
+
+def _record_batch(workdir: str, step: int, batch: dict[str, np.ndarray]) -> None:
+  digest = hashlib.sha256(np.ascontiguousarray(batch["inputs"]).tobytes()).hexdigest()[:16]
+  with open(os.path.join(workdir, "batches.jsonl"), "a") as f:
+    f.write(json.dumps({"step": step, "inputs_sha256": digest}) + "\n")
 
 
 class _StopFlag:

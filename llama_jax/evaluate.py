@@ -1,0 +1,107 @@
+"""Evaluate a checkpoint directory: loss, perplexity and bits per byte.
+
+    python -m llama_jax.evaluate --checkpoint DIR [--data PATHS ...] [--seq_len N] [--batch_size N]
+
+Without --data, the run's own validation split (prepared in the workdir) is used. The checkpoint directory is all
+that is needed otherwise: model config, tokenizer and parameters come from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llama_jax import checkpoint as checkpoint_lib
+from llama_jax import data as data_lib
+from llama_jax import sharding
+from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES, ConfigError
+from llama_jax.model import Llama
+from llama_jax.tokenizer import Tokenizer, TokenizerError
+from llama_jax.train import eval_step, summarize_eval
+
+
+def _run_settings(checkpoint_dir: str) -> dict:
+  path = os.path.join(checkpoint_dir, checkpoint_lib.RUN_CONFIG_FILE)
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0, batch_size: int = 0,
+             max_batches: int = 0, text_field: str = "text") -> dict[str, float]:
+  """Metrics of the latest checkpoint step on `sources` (or the run's validation split)."""
+  model_cfg = checkpoint_lib.read_model_config(checkpoint_dir)
+  tokenizer_path = os.path.join(checkpoint_dir, checkpoint_lib.TOKENIZER_FILE)
+  if not os.path.isfile(tokenizer_path):
+    raise checkpoint_lib.CheckpointError(f"{checkpoint_dir!r} has no {checkpoint_lib.TOKENIZER_FILE}")
+  tokenizer = Tokenizer(tokenizer_path)
+  settings = _run_settings(checkpoint_dir)
+  seq_len = seq_len or settings.get("train", {}).get("seq_len") or min(model_cfg.max_seq_len, 1024)
+  batch_size = batch_size or settings.get("train", {}).get("batch_size") or 8
+  if sources:
+    windows = data_lib.TokenWindows(
+        data_lib.tokenize_documents(data_lib.resolve_sources(sources, text_field), tokenizer, text_field), seq_len)
+  else:
+    prepared = settings.get("data", {}).get("prepared_dir") or os.path.join(checkpoint_dir, "data")
+    if not os.path.isfile(os.path.join(prepared, "val.bin")):
+      raise data_lib.DataError(f"no validation split prepared for {checkpoint_dir!r}; pass --data PATHS")
+    windows = data_lib.validation_windows(prepared, seq_len)
+  if len(windows) == 0:
+    raise data_lib.DataError(f"the evaluation text has fewer than {seq_len + 1} tokens; pass more text or a "
+                             f"smaller --seq_len")
+
+  rules = DEFAULT_LOGICAL_AXIS_RULES
+  mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
+  graphdef, abstract_state = sharding.abstract_model(Llama, model_cfg)
+  param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh, rules))
+  _, params = checkpoint_lib.load_params(checkpoint_dir, shardings=param_shardings)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", "activation_length"), rules))
+  step = jax.jit(functools.partial(eval_step, graphdef=graphdef), out_shardings=replicated)
+  token_bytes = jax.device_put(np.asarray(tokenizer.token_byte_lengths(), np.float32), replicated)
+  totals = None
+  with sharding.activate(mesh, rules):
+    for batch in data_lib.eval_batches(windows, batch_size, max_batches):
+      batch = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
+      sums = step(params, batch, token_bytes)
+      totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+  metrics = summarize_eval({k: float(v) for k, v in jax.device_get(totals).items()})
+  metrics["tokens"] = float(jax.device_get(totals["tokens"]))
+  return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m llama_jax.evaluate", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)")
+  parser.add_argument("--data", nargs="*", default=[], help="files, directories, globs, *.jsonl or 'shakespeare:...'")
+  parser.add_argument("--seq_len", type=int, default=0, help="tokens per window (default: the run's seq_len)")
+  parser.add_argument("--batch_size", type=int, default=0, help="windows per batch (default: the run's batch_size)")
+  parser.add_argument("--max_batches", type=int, default=0, help="0: the whole text")
+  parser.add_argument("--text_field", default="text", help="JSONL field holding the text")
+  args = parser.parse_args(argv)
+  for name in ("seq_len", "batch_size", "max_batches"):
+    if getattr(args, name) < 0:
+      print(f"error: --{name} must be ≥ 0, got {getattr(args, name)}", file=sys.stderr)
+      return 2
+  try:
+    metrics = evaluate(args.checkpoint, args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field)
+  except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, TokenizerError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | bits/byte "
+        f"{metrics['bits_per_byte']:.4f} | tokens {int(metrics['tokens']):,}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

