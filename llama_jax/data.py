@@ -28,6 +28,8 @@ from typing import Any, Iterator, Sequence
 import grain
 import numpy as np
 
+from llama_jax.tokenizer import decode_utf8_counting
+
 _log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 SHAKESPEARE = "shakespeare"
@@ -120,12 +122,7 @@ def read_document(ref: DocumentRef, text_field: str = "text") -> tuple[str, int]
     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
       raise DataError(f"{ref.path}:{ref.line}: no string field {text_field!r}")
     return record[text_field], 0
-  text = raw.decode("utf-8", errors="replace")
-  replaced = 0
-  if "\ufffd" in text:
-    # Count only what the decoder replaced, not U+FFFD characters that were already in the file.
-    replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
-  return text, replaced
+  return decode_utf8_counting(raw)
 
 
 def _fingerprint(train: Sequence[DocumentRef], val: Sequence[DocumentRef], tokenizer, text_field: str) -> str:

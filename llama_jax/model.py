@@ -15,6 +15,7 @@ permuted on the way in (see ``convert.permute_meta_qk``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -100,20 +101,33 @@ class Attention(nnx.Module):
     self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg)
     self.rope = RotaryEmbedding(cfg)
 
-  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None,
+               cache: LayerCache | None = None) -> tuple[Array, tuple[Array, Array]]:
+    """Output [B, T, D] and this call's rotated keys and values [B, T, K, H] (what a KV cache stores).
+
+    With a cache, the new keys/values are placed at slot `cache.index` of this layer's cache and the queries attend
+    over every filled slot by position (decoding); without one, over this call's tokens only.
+    """
     dtype = x_BTD.dtype
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
-    k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wk[...].astype(dtype))
-    v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wv[...].astype(dtype))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype))
     q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
-    k_BSKH = sharding.constrain(k_BSKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
+    k_BTKH = sharding.constrain(k_BTKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
     q_BTNH = self.rope(q_BTNH, positions_BT)
-    k_BSKH = self.rope(k_BSKH, positions_BT)
-    out_BTNH = attention_lib.attention(
-        q_BTNH, k_BSKH, v_BSKH,
-        q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
-        implementation=self.cfg.attention)
-    return jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype))
+    k_BTKH = self.rope(k_BTKH, positions_BT)
+    if cache is None:
+      out_BTNH = attention_lib.attention(
+          q_BTNH, k_BTKH, v_BTKH, q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
+          implementation=self.cfg.attention)
+    else:
+      k_BSKH = jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0))
+      v_BSKH = jax.lax.dynamic_update_slice(cache.v, v_BTKH.astype(cache.v.dtype), (0, cache.index, 0, 0))
+      out_BTNH = attention_lib.attention(
+          q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), q_positions=positions_BT,
+          kv_positions=cache.positions, implementation=self.cfg.attention)
+    out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype))
+    return out_BTD, (k_BTKH, v_BTKH)
 
 
 class MLP(nnx.Module):
@@ -143,10 +157,46 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
-    h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), positions_BT, segment_ids_BT)
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None,
+               cache: LayerCache | None = None) -> tuple[Array, tuple[Array, Array]]:
+    attended_BTD, new_kv = self.attention(self.attention_norm(x_BTD), positions_BT, segment_ids_BT, cache)
+    h_BTD = x_BTD + attended_BTD
     out_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
-    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed"))
+    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed")), new_kv
+
+
+# Position stored in empty cache slots: larger than any query position, so the causal test hides them.
+EMPTY_POSITION = 2**30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerCache:
+  """One layer's view of the KV cache: k, v [B, S, K, H], slot positions [B, S], next slot to write."""
+  k: Array
+  v: Array
+  positions: Array
+  index: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """The decoding cache, an explicit pytree passed in and returned (never module state).
+
+  k, v: [L, B, S, K, H] rotated keys and values of every layer; positions: [B, S] the position of the token in each
+  slot (EMPTY_POSITION where empty or padding); index: int32 scalar, the next slot to write.
+  """
+  k: Array
+  v: Array
+  positions: Array
+  index: Array
+
+  @classmethod
+  def empty(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype),
+               positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32), index=jnp.zeros((), jnp.int32))
 
 
 _REMAT_POLICIES = {
@@ -173,32 +223,60 @@ class Llama(nnx.Module):
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
 
-  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None,
-               segment_ids_BT: Array | None = None) -> Array:
-    """Float32 logits [B, T, V]. Positions default to 0..T-1; tokens attend only within their segment id
-    (packed sequences), and segment id 0 marks padding when segment ids are given."""
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
+               cache: KVCache | None = None):
+    """Float32 logits [B, T, V]; with a cache, (logits, updated cache).
+
+    Positions default to 0..T-1. Tokens attend only within their segment id (packed sequences); id 0 marks padding.
+    With a cache, the T tokens fill slots index..index+T-1 (padding tokens, segment id 0, are stored as empty) and
+    attend to every earlier filled slot by position.
+    """
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     x_BTD = sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
-
     graphdef, layer_state = nnx.split(self.layers)
 
-    def run_layer(h_BTD, one_layer_state):
+    if cache is None:
+      def run_layer(h_BTD, one_layer_state):
+        block = nnx.merge(graphdef, one_layer_state, copy=True)
+        return block(h_BTD, positions_BT, segment_ids_BT)[0], None
+
+      if cfg.remat != "none":
+        run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+      if cfg.scan_layers:
+        x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
+      else:
+        for i in range(cfg.n_layers):
+          x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
+      return self._logits(x_BTD)
+
+    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT,
+                                                                        EMPTY_POSITION)
+    slot_positions = jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
+
+    def run_cached_layer(carry, layer):
+      # The stacked cache rides in the carry and only the T new slots of layer l are written: no per-step copy of
+      # the whole cache.
+      h_BTD, k_all, v_all = carry
+      one_layer_state, l = layer
       block = nnx.merge(graphdef, one_layer_state, copy=True)
-      return block(h_BTD, positions_BT, segment_ids_BT), None
+      layer_cache = LayerCache(k=k_all[l], v=v_all[l], positions=slot_positions, index=cache.index)
+      h_BTD, (k_BTKH, v_BTKH) = block(h_BTD, positions_BT, segment_ids_BT, layer_cache)
+      k_all = jax.lax.dynamic_update_slice(k_all, k_BTKH[None].astype(k_all.dtype), (l, 0, cache.index, 0, 0))
+      v_all = jax.lax.dynamic_update_slice(v_all, v_BTKH[None].astype(v_all.dtype), (l, 0, cache.index, 0, 0))
+      return (h_BTD, k_all, v_all), None
 
-    if cfg.remat != "none":
-      run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
-    else:
-      for i in range(cfg.n_layers):
-        x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
+    (x_BTD, k_all, v_all), _ = jax.lax.scan(
+        run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, jnp.arange(cfg.n_layers)))
+    new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
+    return self._logits(x_BTD), new_cache
 
+  def _logits(self, x_BTD: Array) -> Array:
     x_BTD = self.final_norm(x_BTD)
+    dtype = x_BTD.dtype
     if self.lm_head is None:
       logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed[...].astype(dtype),
                               preferred_element_type=jnp.float32)

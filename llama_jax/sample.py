@@ -1,0 +1,299 @@
+"""Decoding: a jitted prefill that fills an explicit KV cache, then one jitted while_loop that emits tokens.
+
+    python -m llama_jax.sample --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--prompt_file F]
+        [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]
+
+Batched prompts are right-padded to a bucket length (powers of two from 16, so a new prompt length rarely
+recompiles); padding is stored in the cache as empty slots, and each row continues from its own length with its own
+positions. Generated tokens of every row go to the same slot (bucket + step), so the cache index stays one scalar.
+Rows stop at eos or an extra stop id; finished rows keep emitting eos and no longer change. The cache holds
+bucket + max_new_tokens slots; a prompt plus max_new_tokens beyond the model's max_seq_len is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llama_jax.config import ModelConfig
+from llama_jax.model import KVCache, Llama
+
+MIN_BUCKET = 16
+
+
+class SampleError(ValueError):
+  """A sampling request is out of range; the message names the value and the allowed range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off. All sampling math is float32."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise SampleError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise SampleError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise SampleError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits_BV: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """Temperature-scaled float32 logits with everything outside the top-k and the top-p nucleus set to -inf."""
+  logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+  if sampling.top_k:
+    kth_largest = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_largest, -jnp.inf, logits_BV)
+  if sampling.top_p < 1.0:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p.
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_BV = mass_before_BV < sampling.top_p
+    threshold_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
+  return logits_BV
+
+
+def next_token(logits_BV: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  if sampling.temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(rng, filter_logits(logits_BV, sampling), axis=-1).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  """What the decode loop carries: the cache, each row's last token, next position and done flag, the RNG, the
+  number of steps taken, and the tokens emitted so far [B, max_new_tokens]."""
+  cache: KVCache
+  token: jax.Array
+  position: jax.Array
+  done: jax.Array
+  rng: jax.Array
+  step: jax.Array
+  tokens: jax.Array
+
+
+def prefill(params: Any, prompts_BP: jax.Array, lengths_B: jax.Array, cache: KVCache, rng: jax.Array, *,
+            graphdef: nnx.GraphDef, sampling: SamplingConfig, max_new_tokens: int,
+            stop_ids: tuple[int, ...]) -> DecodeState:
+  """Runs the right-padded prompts through the model into the cache and samples each row's first new token."""
+  model = nnx.merge(graphdef, params)
+  batch, bucket = prompts_BP.shape
+  positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+  segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
+  logits_BPV, cache = model(prompts_BP, positions_BP, segment_ids_BP, cache=cache)
+  last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  rng, step_rng = jax.random.split(rng)
+  token_B = next_token(last_BV, step_rng, sampling)
+  tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
+  return DecodeState(cache=cache, token=token_B, position=lengths_B.astype(jnp.int32),
+                     done=jnp.isin(token_B, jnp.asarray(stop_ids)), rng=rng, step=jnp.ones((), jnp.int32),
+                     tokens=tokens)
+
+
+def decode(params: Any, state: DecodeState, until_step: jax.Array, *, graphdef: nnx.GraphDef,
+           sampling: SamplingConfig, stop_ids: tuple[int, ...], pad_id: int) -> DecodeState:
+  """Emits tokens until `until_step` tokens exist or every row is done: one compiled while_loop, no Python per
+  token. Called once with until_step = max_new_tokens for a batch, or in chunks to stream."""
+  model = nnx.merge(graphdef, params)
+  stop = jnp.asarray(stop_ids)
+  limit = jnp.minimum(until_step, state.tokens.shape[1])
+
+  def cond(s: DecodeState):
+    return (s.step < limit) & ~jnp.all(s.done)
+
+  def body(s: DecodeState) -> DecodeState:
+    logits_B1V, cache = model(s.token[:, None], s.position[:, None], cache=s.cache)
+    rng, step_rng = jax.random.split(s.rng)
+    token_B = next_token(logits_B1V[:, 0], step_rng, sampling)
+    token_B = jnp.where(s.done, pad_id, token_B)  # finished rows no longer change
+    tokens = jax.lax.dynamic_update_slice(s.tokens, token_B[:, None], (0, s.step))
+    return DecodeState(cache=cache, token=token_B, position=s.position + 1, done=s.done | jnp.isin(token_B, stop),
+                       rng=rng, step=s.step + 1, tokens=tokens)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def bucket_length(n: int, limit: int) -> int:
+  """The padded prompt length: the next power of two ≥ n (at least MIN_BUCKET), capped at `limit`."""
+  bucket = MIN_BUCKET
+  while bucket < n:
+    bucket *= 2
+  return max(n, min(bucket, limit))
+
+
+class Sampler:
+  """Compiled prefill and decode for one model; compiled programs are cached per (batch, bucket, sampling, length)."""
+
+  def __init__(self, cfg: ModelConfig, params: Any, eos_id: int, pad_id: int | None = None):
+    self.cfg, self.params, self.eos_id = cfg, params, eos_id
+    self.pad_id = eos_id if pad_id is None or pad_id < 0 else pad_id
+    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+  @functools.lru_cache(maxsize=32)
+  def _compiled(self, sampling: SamplingConfig, max_new_tokens: int, stop_ids: tuple[int, ...]):
+    prefill_fn = jax.jit(functools.partial(prefill, graphdef=self.graphdef, sampling=sampling,
+                                           max_new_tokens=max_new_tokens, stop_ids=stop_ids), donate_argnums=(3,))
+    decode_fn = jax.jit(functools.partial(decode, graphdef=self.graphdef, sampling=sampling, stop_ids=stop_ids,
+                                          pad_id=self.pad_id), donate_argnums=(1,))
+    return prefill_fn, decode_fn
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+               seed: int = 0, stop_ids: Sequence[int] = (), chunk: int = 0,
+               on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> list[list[int]]:
+    """Each prompt's new tokens, cut after the first stop token (eos or `stop_ids`, which is kept out of the text).
+
+    With `chunk` > 0 the loop runs `chunk` tokens per call and `on_tokens(new_tokens [B, n], done [B])` sees them as
+    they come (streaming); otherwise one call runs to the end.
+    """
+    self.validate(prompts, max_new_tokens)
+    stops = tuple(sorted({self.eos_id, *stop_ids}))
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    bucket = bucket_length(int(lengths.max()), self.cfg.max_seq_len - max_new_tokens)
+    padded = np.full((len(prompts), bucket), self.pad_id, np.int32)
+    for row, prompt in enumerate(prompts):
+      padded[row, :len(prompt)] = prompt
+    prefill_fn, decode_fn = self._compiled(sampling, max_new_tokens, stops)
+    cache = KVCache.empty(self.cfg, len(prompts), bucket + max_new_tokens)
+    state = prefill_fn(self.params, jnp.asarray(padded), jnp.asarray(lengths), cache, jax.random.key(seed))
+    emitted = 0
+    while True:
+      step = int(state.step)
+      if on_tokens is not None and step > emitted:
+        on_tokens(np.asarray(state.tokens[:, emitted:step]), np.asarray(state.done))
+      emitted = step
+      if step >= max_new_tokens or bool(np.all(np.asarray(state.done))):
+        break
+      until = max_new_tokens if not chunk else min(step + chunk, max_new_tokens)
+      state = decode_fn(self.params, state, jnp.asarray(until, jnp.int32))
+    tokens = np.asarray(state.tokens[:, :emitted])
+    return [_until_stop(row, stops) for row in tokens]
+
+  def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    if not prompts:
+      raise SampleError("no prompt given: pass at least one non-empty prompt")
+    for i, prompt in enumerate(prompts):
+      if len(prompt) == 0:
+        raise SampleError(f"prompt {i} is empty: prompts need at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+      raise SampleError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > self.cfg.max_seq_len:
+      raise SampleError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+                        f"exceeds the model's max_seq_len {self.cfg.max_seq_len}; shorten the prompt or lower "
+                        f"--max_new_tokens to at most {self.cfg.max_seq_len - longest}")
+
+
+def _until_stop(tokens: np.ndarray, stops: tuple[int, ...]) -> list[int]:
+  out = []
+  for token in tokens.tolist():
+    if token in stops:
+      break
+    out.append(token)
+  return out
+
+
+def load_sampler(checkpoint_dir: str) -> tuple[Sampler, "Tokenizer"]:  # noqa: F821
+  """A Sampler and the tokenizer of a checkpoint directory (from training or from convert --from_hf)."""
+  from llama_jax import checkpoint
+  from llama_jax.tokenizer import Tokenizer
+
+  cfg = checkpoint.read_model_config(checkpoint_dir)
+  tokenizer_path = os.path.join(checkpoint_dir, checkpoint.TOKENIZER_FILE)
+  if not os.path.isfile(tokenizer_path):
+    raise checkpoint.CheckpointError(f"{checkpoint_dir!r} has no {checkpoint.TOKENIZER_FILE}; sampling needs one")
+  _, params = checkpoint.load_params(checkpoint_dir)
+  tokenizer = Tokenizer(tokenizer_path)
+  return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id), tokenizer
+
+
+class _TextStream:
+  """Prints one row's text as tokens arrive (decoding the whole row each time, so multi-byte pieces come out whole)."""
+
+  def __init__(self, tokenizer, prompt_ids: list[int], stops: set[int]):
+    # Decoding prompt + continuation keeps the space the first new token carries (sentencepiece drops a leading one).
+    self.tokenizer, self.stops, self.ids, self.stopped = tokenizer, stops, list(prompt_ids), False
+    self.printed = tokenizer.decode(self.ids)
+    sys.stdout.write(self.printed)
+
+  def __call__(self, new_tokens: np.ndarray, done: np.ndarray) -> None:
+    for token in new_tokens[0].tolist():
+      if self.stopped or token in self.stops:
+        self.stopped = True
+        break
+      self.ids.append(token)
+    text = self.tokenizer.decode(self.ids)
+    if text.startswith(self.printed):
+      sys.stdout.write(text[len(self.printed):])
+      sys.stdout.flush()
+      self.printed = text
+
+
+def main(argv: list[str] | None = None) -> int:
+  from llama_jax import checkpoint
+  from llama_jax.config import ConfigError
+  from llama_jax.tokenizer import TokenizerError
+
+  parser = argparse.ArgumentParser(prog="python -m llama_jax.sample", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)")
+  parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+  parser.add_argument("--prompt_file", help="a file with one prompt per line")
+  parser.add_argument("--max_new_tokens", type=int, default=128)
+  parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+  parser.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+  parser.add_argument("--top_p", type=float, default=0.95, help="nucleus: smallest set with this mass (1 = off)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--stream", choices=("auto", "yes", "no"), default="auto",
+                      help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)")
+  args = parser.parse_args(argv)
+  try:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+      if not os.path.isfile(args.prompt_file):
+        raise SampleError(f"prompt file {args.prompt_file!r} does not exist")
+      with open(args.prompt_file, encoding="utf-8") as f:
+        prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+      raise SampleError("no prompt given: pass --prompt TEXT or --prompt_file F")
+    for i, prompt in enumerate(prompts):
+      if not prompt.strip():
+        raise SampleError(f"prompt {i} is empty: prompts need some text")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+      raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
+    sampler, tokenizer = load_sampler(args.checkpoint)
+    encoded = [tokenizer.encode(p, bos=True) for p in prompts]
+    sampler.validate(encoded, args.max_new_tokens)
+    stream = args.stream == "yes" or (args.stream == "auto" and sys.stdout.isatty() and len(prompts) == 1)
+    if stream:
+      printer = _TextStream(tokenizer, encoded[0], {tokenizer.eos_id})
+      sampler.generate(encoded, args.max_new_tokens, sampling, args.seed, chunk=8, on_tokens=printer)
+      sys.stdout.write("\n")
+      return 0
+    outputs = sampler.generate(encoded, args.max_new_tokens, sampling, args.seed)
+  except (SampleError, checkpoint.CheckpointError, TokenizerError, ConfigError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for prompt_ids, output in zip(encoded, outputs):
+    if len(prompts) > 1:
+      print("-" * 40)
+    print(tokenizer.decode(prompt_ids + output))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
