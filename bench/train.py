@@ -14,7 +14,7 @@ synchronous, so the JAX one is too). The JAX compile time is reported apart. MFU
 
 Measure on an otherwise idle machine: other load costs torch's OpenMP threads far more than XLA's thread pool (on a
 busy 2-core machine a 2-thread torch matmul ran 20× slower than a 1-thread one), so a busy machine flatters JAX.
-``--remat`` and ``--softmax-custom-jvp`` change only the JAX runs, for A/B experiments on activation memory traffic.
+``--remat`` changes only the JAX runs, for A/B experiments on activation memory traffic.
 """
 
 from __future__ import annotations
@@ -251,8 +251,6 @@ def main(argv=None) -> None:
   # Experiments on the JAX side only; the defaults measure llama_jax as it is configured out of the box.
   parser.add_argument("--remat", default="none", choices=config_lib.REMAT_POLICIES,
                       help="llama_jax model.remat for both JAX runs")
-  parser.add_argument("--softmax-custom-jvp", action="store_true",
-                      help="set jax_softmax_custom_jvp: the softmax backward keeps only its output")
   args = parser.parse_args(argv)
 
   table = QUICK_SHAPES if args.quick else SHAPES
@@ -268,8 +266,6 @@ def main(argv=None) -> None:
     print(f"warning: 1-minute load average is {load:.1f}; other processes are running and the timings (torch's above "
           "all) will not be representative", file=sys.stderr)
   torch.set_num_threads(args.torch_threads)
-  if args.softmax_custom_jvp:
-    jax.config.update("jax_softmax_custom_jvp", True)
 
   peaks = matmul_peaks(256 if args.quick else 2048)
   peak = max(peaks["jax_f32"], peaks["torch_f32"])
@@ -277,14 +273,12 @@ def main(argv=None) -> None:
   print(f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
         f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
-        f"median of {steps} steps after {warmup} warm-up; jax remat={args.remat}, "
-        f"softmax_custom_jvp={jax.config.jax_softmax_custom_jvp}")
+        f"median of {steps} steps after {warmup} warm-up; jax remat={args.remat}")
   print()
   print(markdown(results, peaks))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(steps=steps, warmup=warmup, remat=args.remat,
-                     softmax_custom_jvp=bool(jax.config.jax_softmax_custom_jvp), torch_threads=torch.get_num_threads(),
+      json.dump(dict(steps=steps, warmup=warmup, remat=args.remat, torch_threads=torch.get_num_threads(),
                      cores=len(os.sched_getaffinity(0)), jax=jax.__version__, torch=torch.__version__,
                      transformers=transformers.__version__, peaks_flops=peaks, results=results), f, indent=2)
 

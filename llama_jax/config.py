@@ -194,7 +194,11 @@ def base_run_config():
       tokenizer="",  # a sentencepiece .model to use; empty: train one on the training documents
       vocab_size=4096,  # for a trained tokenizer
       prepared_dir="",  # where tokenized shards go; empty: <workdir>/data
+      format="text",  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
+      on_error="skip",  # chat: a bad conversation is skipped and counted ("skip") or stops the run ("stop")
   ))
+  # A checkpoint directory whose parameters (only: the optimizer starts fresh) initialise a new run, e.g. for SFT.
+  cfg.init_from = ""
   cfg.seed = 0
   return cfg
 

@@ -235,9 +235,10 @@ class TokenWindows:
   def __len__(self) -> int:
     return max(0, (len(self.tokens) - 1) // self.seq_len)
 
-  def __getitem__(self, index: int) -> np.ndarray:
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     start = index * self.seq_len
-    return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
+    window = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
+    return {"inputs": window[:-1], "targets": window[1:]}
 
 
 def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str = "text") -> np.ndarray:
@@ -245,10 +246,6 @@ def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str =
   texts = [read_document(ref, text_field)[0] for ref in refs]
   ids = tokenizer.encode_batch([t for t in texts if t.strip()])
   return np.asarray([t for doc in ids for t in (tokenizer.bos_id, *doc, tokenizer.eos_id)], dtype=np.int32)
-
-
-def _split_inputs_targets(windows: np.ndarray) -> dict[str, np.ndarray]:
-  return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
 def load_meta(prepared_dir: str) -> dict[str, Any]:
@@ -271,27 +268,230 @@ def train_dataset(prepared_dir: str, seq_len: int, global_batch: int, seed: int,
   if global_batch % process_count:
     raise DataError(f"train.batch_size {global_batch} is not divisible by the {process_count} processes")
   # Row j of global batch i is window perm[i·B + j]; process p takes rows p, p + P, ... so shares are disjoint.
-  dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
-  dataset = dataset[process_index::process_count]
-  return dataset.batch(global_batch // process_count, drop_remainder=True).map(_split_inputs_targets)
+  dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)[process_index::process_count]
+  return dataset.batch(global_batch // process_count, drop_remainder=True)
 
 
-def eval_batches(windows: TokenWindows, batch_size: int, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
-  """Windows in order (the same every evaluation), at most `max_batches` batches (0: all). The last batch is padded
-  to `batch_size` rows whose "weights" are 0, so every window counts once and shapes never change."""
-  n_batches = -(-len(windows) // batch_size)
+def eval_batches(examples, batch_size: int, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """Examples (windows or packed conversation rows) in order, the same every evaluation, at most `max_batches`
+  batches (0: all). The last batch is padded to `batch_size` rows whose "weights" are 0, so every example counts once
+  and shapes never change."""
+  n_batches = -(-len(examples) // batch_size)
   if max_batches:
     n_batches = min(n_batches, max_batches)
   for b in range(n_batches):
-    rows = [windows[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(windows)))]
-    weights = np.zeros((batch_size, windows.seq_len), np.float32)
-    weights[:len(rows)] = 1.0
-    rows += [np.zeros(windows.seq_len + 1, np.int32)] * (batch_size - len(rows))
-    batch = _split_inputs_targets(np.stack(rows))
-    batch["weights"] = weights
-    yield batch
+    rows = [examples[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(examples)))]
+    for row in rows:
+      row.setdefault("weights", np.ones(row["targets"].shape, np.float32))
+    padding = {k: np.zeros_like(v) for k, v in rows[0].items()}
+    rows += [padding] * (batch_size - len(rows))
+    yield {k: np.stack([row[k] for row in rows]) for k in rows[0]}
 
 
 def validation_windows(prepared_dir: str, seq_len: int) -> TokenWindows:
   meta = load_meta(prepared_dir)
   return TokenWindows.open(os.path.join(prepared_dir, "val.bin"), seq_len, meta["dtype"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Conversations (SFT): sources, checks, the chat template, packing with segment ids
+
+CHITCHAT = "chitchat"
+CHATTERBOT = "chatterbot"
+SFT_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
+
+
+def _package_dir(module: str, install: str) -> str:
+  import importlib.util
+  spec = importlib.util.find_spec(module)
+  if spec is None:
+    raise DataError(f"the {module} package is not installed; install it with `pip install {install}` (or the "
+                    f"`demo` extra)")
+  return list(spec.submodule_search_locations)[0]
+
+
+def _chitchat_conversations() -> Iterator[tuple[str, Any]]:
+  """chitchat-dataset: each conversation is a list of runs of one speaker; runs alternate user → assistant (the
+  messages of a run joined by newlines). A trailing user run has no answer and is dropped."""
+  path = os.path.join(_package_dir("chitchat_dataset", "chitchat-dataset"), "dataset.json")
+  with open(path, encoding="utf-8") as f:
+    conversations = json.load(f)
+  for conv_id, conv in conversations.items():
+    runs = ["\n".join(m["text"] for m in run) for run in conv["messages"]]
+    if len(runs) % 2:
+      runs = runs[:-1]
+    yield (f"{CHITCHAT}:{conv_id}",
+           [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(runs)])
+
+
+def _chatterbot_conversations(spec: str) -> Iterator[tuple[str, Any]]:
+  """chatterbot-corpus YAML files: each conversation a list of lines alternating user → assistant."""
+  import yaml
+  root = os.path.join(_package_dir("chatterbot_corpus", "chatterbot-corpus"), "data")
+  languages = spec.split(":", 1)[1].split(",") if ":" in spec else ["english", "chinese"]
+  for language in languages:
+    files = sorted(glob.glob(os.path.join(root, language, "*.yml")))
+    if not files:
+      raise DataError(f"no chatterbot-corpus files for language {language!r} under {root}")
+    for path in files:
+      with open(path, encoding="utf-8") as f:
+        corpus = yaml.safe_load(f) or {}
+      for i, lines in enumerate(corpus.get("conversations") or []):
+        lines = [str(line) for line in lines][:len(lines) - len(lines) % 2]
+        yield (f"{path}:conversation {i}",
+               [{"role": "user" if j % 2 == 0 else "assistant", "content": text} for j, text in enumerate(lines)])
+
+
+def _jsonl_conversations(path: str) -> Iterator[tuple[str, Any]]:
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      if not raw.strip():
+        continue
+      location = f"{path}:{number}"
+      try:
+        record = json.loads(raw)
+      except json.JSONDecodeError as e:
+        yield location, DataError(f"malformed JSON ({e.msg})")
+        continue
+      if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        yield location, DataError('expected an object {"messages": [...]}')
+        continue
+      yield location, record["messages"]
+
+
+def iter_conversations(specs: Sequence[str]) -> Iterator[tuple[str, Any]]:
+  """(location, messages or the DataError that reading them raised) for every conversation of the sources:
+  ``*.jsonl`` files (also inside directories / globs), ``chitchat``, ``chatterbot[:english,chinese]``."""
+  for spec in specs:
+    if spec == CHITCHAT:
+      yield from _chitchat_conversations()
+    elif spec == CHATTERBOT or spec.startswith(CHATTERBOT + ":"):
+      yield from _chatterbot_conversations(spec)
+    else:
+      paths = sorted({ref.path for ref in resolve_sources([spec])})
+      for path in paths:
+        yield from _jsonl_conversations(path)
+
+
+def load_conversations(specs: Sequence[str], on_error: str = "skip") -> tuple[list[tuple[str, list]], list[str]]:
+  """Valid conversations and, for `on_error="skip"`, the problems skipped ("file:line: what"); with "stop", the
+  first problem raises DataError naming its file and line."""
+  from llama_jax import chat
+
+  if on_error not in ("skip", "stop"):
+    raise DataError(f"data.on_error must be 'skip' or 'stop', got {on_error!r}")
+  good, problems = [], []
+  for location, messages in iter_conversations(specs):
+    try:
+      if isinstance(messages, Exception):
+        raise messages
+      chat.check_conversation(messages)
+    except (DataError, chat.ConversationError) as e:
+      if on_error == "stop":
+        raise DataError(f"{location}: {e}") from e
+      problems.append(f"{location}: {e}")
+      continue
+    good.append((location, messages))
+  return good, problems
+
+
+def pack_conversations(encoded: Sequence, seq_len: int) -> dict[str, np.ndarray]:
+  """Packs conversations into rows of `seq_len` positions, in order, starting a new row when the next one does not
+  fit. Each conversation predicts its own next tokens (weights = its loss mask), has its own segment id (1, 2, ...
+  within the row) and positions from 0, so attention never crosses conversations; padding has segment id 0."""
+  rows: list[list] = []
+  used = seq_len  # forces a first row
+  for conv in encoded:
+    n = len(conv.tokens) - 1
+    if n < 1:
+      continue
+    if used + n > seq_len:
+      rows.append([])
+      used = 0
+    rows[-1].append(conv)
+    used += n
+  arrays = {k: np.zeros((len(rows), seq_len), np.float32 if k == "weights" else np.int32) for k in SFT_KEYS}
+  for r, row in enumerate(rows):
+    start = 0
+    for segment, conv in enumerate(row, start=1):
+      tokens, mask = np.asarray(conv.tokens), np.asarray(conv.loss_mask)
+      n = len(tokens) - 1
+      span = slice(start, start + n)
+      arrays["inputs"][r, span] = tokens[:-1]
+      arrays["targets"][r, span] = tokens[1:]
+      arrays["weights"][r, span] = mask[1:]
+      arrays["segment_ids"][r, span] = segment
+      arrays["positions"][r, span] = np.arange(n)
+      start += n
+  return arrays
+
+
+def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int, val_fraction: float, seed: int,
+                on_error: str = "skip") -> dict[str, Any]:
+  """Encodes conversations with the LLaMA 2 chat template and packs them into rows (cached like `prepare`).
+
+  Split by conversation: a seeded `val_fraction` of them is held out. Conversations longer than seq_len + 1 tokens
+  lose their oldest exchanges, then the left of the last prompt (see chat.encode_dialog); counted in meta.json.
+  """
+  from llama_jax import chat
+
+  conversations, problems = load_conversations(sources, on_error)
+  if not conversations:
+    raise DataError(f"no usable conversations in {list(sources)}" + (f" ({len(problems)} skipped; first: "
+                                                                       f"{problems[0]})" if problems else ""))
+  digest = hashlib.sha256(json.dumps([FORMAT_VERSION, "sft", seq_len, val_fraction, seed, conversations],
+                                     sort_keys=True).encode())
+  digest.update(hashlib.sha256(tokenizer.serialized()).digest())
+  fingerprint = digest.hexdigest()
+  meta_path = os.path.join(out_dir, "meta.json")
+  if os.path.isfile(meta_path):
+    with open(meta_path) as f:
+      meta = json.load(f)
+    if meta.get("fingerprint") == fingerprint:
+      return meta
+  os.makedirs(out_dir, exist_ok=True)
+  meta = dict(format=FORMAT_VERSION, kind="sft", fingerprint=fingerprint, seq_len=seq_len, skipped=len(problems),
+              skipped_examples=problems[:5])
+  for split in ("train", "val"):
+    chosen = [(loc, m) for loc, m in conversations if _in_validation(loc, val_fraction, seed) == (split == "val")]
+    encoded, too_long = [], 0
+    for location, messages in chosen:
+      try:
+        encoded.append(chat.encode_dialog(tokenizer, messages, max_len=seq_len + 1))
+      except chat.ConversationError:
+        too_long += 1  # the last assistant turn alone does not fit
+    arrays = pack_conversations(encoded, seq_len)
+    for key, array in arrays.items():
+      np.save(os.path.join(out_dir, f"{split}_{key}.npy"), array)
+    meta[split] = dict(conversations=len(encoded), rows=len(arrays["inputs"]),
+                       assistant_tokens=int(arrays["weights"].sum()),
+                       dropped_exchanges=sum(c.dropped_exchanges for c in encoded),
+                       truncated_prompts=sum(c.truncated for c in encoded), too_long=too_long)
+  tmp = meta_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(meta, f, indent=2)
+  os.replace(tmp, meta_path)
+  return meta
+
+
+class PackedRows:
+  """Random access to the packed conversation rows of a split (memory-mapped)."""
+
+  def __init__(self, prepared_dir: str, split: str):
+    self.arrays = {k: np.load(os.path.join(prepared_dir, f"{split}_{k}.npy"), mmap_mode="r") for k in SFT_KEYS}
+
+  def __len__(self) -> int:
+    return len(self.arrays["inputs"])
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v[index]) for k, v in self.arrays.items()}
+
+
+def sft_train_dataset(prepared_dir: str, global_batch: int, seed: int, process_index: int = 0,
+                      process_count: int = 1) -> grain.MapDataset:
+  rows = PackedRows(prepared_dir, "train")
+  if len(rows) < global_batch:
+    raise DataError(f"too few conversations for one batch: {len(rows)} packed rows, but a batch needs "
+                    f"{global_batch}; add data or lower train.batch_size")
+  dataset = grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None)[process_index::process_count]
+  return dataset.batch(global_batch // process_count, drop_remainder=True)

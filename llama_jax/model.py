@@ -38,6 +38,19 @@ def _param(rngs: nnx.Rngs, shape, logical_axes, cfg: ModelConfig, init=None) -> 
   return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
 
 
+def project(x: Array, w: Array, *, preferred_element_type=None) -> Array:
+  """x[..., I] · w[I, O...] as one 2-D matrix product, for every projection of the model.
+
+  Same numbers as the einsum it replaces (written next to each call), but XLA's CPU backend runs a 2-D dot and its
+  weight gradient far faster than the same contraction written over [B, T]: an MLP's forward + backward at B=8,
+  T=512, D=512, F=1536 took 416 ms instead of 704 ms. The reshapes are free (contiguous) and keep shardings, since
+  the batch stays the major axis.
+  """
+  lead_shape, out_shape = x.shape[:-1], w.shape[1:]
+  y = jnp.dot(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1), preferred_element_type=preferred_element_type)
+  return y.reshape(*lead_shape, *out_shape)
+
+
 class RMSNorm(nnx.Module):
   """x / rms(x) · scale, with the statistics in float32 (as Meta and HF do) and the result in the input dtype."""
 
@@ -109,9 +122,9 @@ class Attention(nnx.Module):
     over every filled slot by position (decoding); without one, over this call's tokens only.
     """
     dtype = x_BTD.dtype
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq[...].astype(dtype))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk[...].astype(dtype))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv[...].astype(dtype))
+    q_BTNH = project(x_BTD, self.wq[...].astype(dtype))  # BTD,DNH->BTNH
+    k_BTKH = project(x_BTD, self.wk[...].astype(dtype))  # BTD,DKH->BTKH
+    v_BTKH = project(x_BTD, self.wv[...].astype(dtype))  # BTD,DKH->BTKH
     q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
     k_BTKH = sharding.constrain(k_BTKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
     q_BTNH = self.rope(q_BTNH, positions_BT)
@@ -126,7 +139,8 @@ class Attention(nnx.Module):
       out_BTNH = attention_lib.attention(
           q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), q_positions=positions_BT,
           kv_positions=cache.positions, implementation=self.cfg.attention)
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo[...].astype(dtype))
+    b, t, n, h = out_BTNH.shape
+    out_BTD = project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
     return out_BTD, (k_BTKH, v_BTKH)
 
 
@@ -141,11 +155,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype
-    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate[...].astype(dtype))
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up[...].astype(dtype))
+    gate_BTF = project(x_BTD, self.w_gate[...].astype(dtype))  # BTD,DF->BTF
+    up_BTF = project(x_BTD, self.w_up[...].astype(dtype))  # BTD,DF->BTF
     hidden_BTF = sharding.constrain(jax.nn.silu(gate_BTF) * up_BTF,
                                     ("activation_batch", "activation_length", "activation_mlp"))
-    return jnp.einsum("BTF,FD->BTD", hidden_BTF, self.w_down[...].astype(dtype))
+    return project(hidden_BTF, self.w_down[...].astype(dtype))  # BTF,FD->BTD
 
 
 class Block(nnx.Module):
@@ -277,10 +291,6 @@ class Llama(nnx.Module):
   def _logits(self, x_BTD: Array) -> Array:
     x_BTD = self.final_norm(x_BTD)
     dtype = x_BTD.dtype
-    if self.lm_head is None:
-      logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, self.embed[...].astype(dtype),
-                              preferred_element_type=jnp.float32)
-    else:
-      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.lm_head[...].astype(dtype),
-                              preferred_element_type=jnp.float32)
+    head_DV = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    logits_BTV = project(x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)  # BTD,DV->BTV
     return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))

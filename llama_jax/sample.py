@@ -243,6 +243,45 @@ class _TextStream:
       self.printed = text
 
 
+def chat_session(sampler: Sampler, tokenizer, *, system: str | None, sampling: SamplingConfig, max_new_tokens: int,
+                 seed: int, turns, interactive: bool) -> None:
+  """A multi-turn chat: each user turn from `turns` (an iterator of lines) gets a reply, with the whole history in
+  the LLaMA 2 template. When history and reply would overflow max_seq_len, the oldest exchanges are dropped, with a
+  notice on stderr. Interactive sessions stream the reply."""
+  from llama_jax import chat
+
+  history: list[dict] = []
+  for turn_index, line in enumerate(turns):
+    user = line.strip()
+    if not user:
+      continue
+    messages = ([{"role": "system", "content": system}] if system else []) + history + [
+        {"role": "user", "content": user}]
+    encoded = chat.encode_dialog(tokenizer, messages, max_len=sampler.cfg.max_seq_len - max_new_tokens)
+    if encoded.dropped_exchanges:
+      history = history[2 * encoded.dropped_exchanges:]
+      print(f"[context window full: dropped the oldest {encoded.dropped_exchanges} exchange(s)]", file=sys.stderr)
+    if encoded.truncated:
+      print("[this message is longer than the context window: its beginning was cut]", file=sys.stderr)
+    if interactive:
+      printer = _TextStream(tokenizer, [], {tokenizer.eos_id})
+      reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index, chunk=8,
+                                   on_tokens=printer)[0]
+      sys.stdout.write("\n")
+    else:
+      reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index)[0]
+      print(tokenizer.decode(reply_ids).strip(), flush=True)
+    history += [{"role": "user", "content": user}, {"role": "assistant", "content": tokenizer.decode(reply_ids)}]
+
+
+def _interactive_turns():
+  while True:
+    try:
+      yield input("> ")
+    except EOFError:
+      return
+
+
 def main(argv: list[str] | None = None) -> int:
   from llama_jax import checkpoint
   from llama_jax.config import ConfigError
@@ -257,10 +296,25 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
   parser.add_argument("--top_p", type=float, default=0.95, help="nucleus: smallest set with this mass (1 = off)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--chat", action="store_true", help="multi-turn chat in the LLaMA 2 template: turns from the "
+                      "terminal, or one per line of stdin when it is not a terminal")
+  parser.add_argument("--system", help="--chat: a system prompt")
   parser.add_argument("--stream", choices=("auto", "yes", "no"), default="auto",
                       help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)")
   args = parser.parse_args(argv)
   try:
+    if args.chat:
+      sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+      if args.max_new_tokens < 1:
+        raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
+      sampler, tokenizer = load_sampler(args.checkpoint)
+      if args.max_new_tokens >= sampler.cfg.max_seq_len:
+        raise SampleError(f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
+                          f"max_seq_len {sampler.cfg.max_seq_len}; use at most {sampler.cfg.max_seq_len // 2}")
+      interactive = sys.stdin.isatty()
+      chat_session(sampler, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.max_new_tokens,
+                   seed=args.seed, turns=_interactive_turns() if interactive else sys.stdin, interactive=interactive)
+      return 0
     prompts = list(args.prompt)
     if args.prompt_file:
       if not os.path.isfile(args.prompt_file):

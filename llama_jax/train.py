@@ -8,6 +8,7 @@ checkpoint, with the same data order, and reaches bit-identical parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -17,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +260,8 @@ class MetricsWriter:
       except ImportError:
         _log.warning("tensorboardX is not installed; no TensorBoard events")
 
-  def write(self, step: int, metrics: dict[str, float], prefix: str = "", echo: Callable[[str], None] = print):
+  def write(self, step: int, metrics: dict[str, float], prefix: str = "",
+            echo: Callable[[str], None] = functools.partial(print, flush=True)):
     if not self.enabled:
       return
     record = {"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}
@@ -288,15 +290,15 @@ def _format(value: float) -> str:
 # The run
 
 
-def load_tokenizer_for_run(run_config, workdir: str, train_docs) -> "Tokenizer":  # noqa: F821
-  """The configured tokenizer, the workdir's (on resume), or one trained on the training documents."""
+def load_tokenizer_for_run(run_config, workdir: str, texts: Callable[[], Iterator[str]]) -> "Tokenizer":  # noqa: F821
+  """The configured tokenizer, the workdir's (on resume), init_from's, or one trained on the training texts."""
   from llama_jax.tokenizer import Tokenizer, train_tokenizer
 
   if run_config.data.tokenizer:
     return Tokenizer(run_config.data.tokenizer)
-  saved = os.path.join(workdir, checkpoint_lib.TOKENIZER_FILE)
-  if os.path.isfile(saved):
-    return Tokenizer(saved)
+  for directory in (workdir, run_config.init_from):
+    if directory and os.path.isfile(os.path.join(directory, checkpoint_lib.TOKENIZER_FILE)):
+      return Tokenizer(os.path.join(directory, checkpoint_lib.TOKENIZER_FILE))
   if jax.process_count() > 1:
     raise data_lib.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
   corpus_dir = os.path.join(workdir, "tokenizer")
@@ -304,8 +306,7 @@ def load_tokenizer_for_run(run_config, workdir: str, train_docs) -> "Tokenizer":
   corpus = os.path.join(corpus_dir, "corpus.txt")
   has_text = False
   with open(corpus, "w", encoding="utf-8") as f:
-    for ref in train_docs:
-      text = data_lib.read_document(ref, run_config.data.text_field)[0]
+    for text in texts():
       has_text = has_text or bool(text.strip())
       f.write(text + "\n")
   if not has_text:
@@ -314,6 +315,57 @@ def load_tokenizer_for_run(run_config, workdir: str, train_docs) -> "Tokenizer":
   path = train_tokenizer([corpus], run_config.data.vocab_size, corpus_dir, overwrite=True)
   os.remove(corpus)
   return Tokenizer(path)
+
+
+@dataclasses.dataclass
+class RunData:
+  """What the loop needs from the data, for either format: train batches, validation examples, summary counts."""
+  dataset: Any
+  val_examples: Any
+  summary: str
+
+
+def prepare_run_data(run_config, workdir: str) -> tuple["Tokenizer", RunData]:  # noqa: F821
+  data_cfg, train_cfg = run_config.data, run_config.train
+  prepared_dir = data_cfg.prepared_dir or os.path.join(workdir, "data")
+  if data_cfg.format == "chat":
+    def texts():
+      for _, messages in data_lib.load_conversations(data_cfg.sources, "skip")[0]:
+        yield from (m["content"] for m in messages)
+    tokenizer = load_tokenizer_for_run(run_config, workdir, texts)
+    meta = data_lib.prepare_sft(data_cfg.sources, tokenizer, prepared_dir, seq_len=train_cfg.seq_len,
+                                val_fraction=data_cfg.val_fraction, seed=run_config.seed, on_error=data_cfg.on_error)
+    dataset = data_lib.sft_train_dataset(prepared_dir, train_cfg.batch_size, run_config.seed, jax.process_index(),
+                                         jax.process_count())
+    val = data_lib.PackedRows(prepared_dir, "val")
+    summary = (f"conversations: train {meta['train']['conversations']:,} ({meta['train']['rows']:,} packed rows), "
+               f"val {meta['val']['conversations']:,}; skipped {meta['skipped']:,} bad, "
+               f"{meta['train']['dropped_exchanges'] + meta['val']['dropped_exchanges']:,} old exchanges dropped "
+               f"and {meta['train']['truncated_prompts'] + meta['val']['truncated_prompts']:,} prompts cut to fit, "
+               f"{meta['train']['too_long'] + meta['val']['too_long']:,} too long")
+    return tokenizer, RunData(dataset, val, summary)
+  if data_cfg.format != "text":
+    raise ConfigError(f"data.format must be 'text' or 'chat', got {data_cfg.format!r}")
+  train_docs, _ = data_lib.split_documents(data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction,
+                                           run_config.seed, data_cfg.text_field)
+  tokenizer = load_tokenizer_for_run(
+      run_config, workdir, lambda: (data_lib.read_document(ref, data_cfg.text_field)[0] for ref in train_docs))
+  meta = data_lib.prepare(data_cfg.sources, data_cfg.val_sources, tokenizer, prepared_dir,
+                          val_fraction=data_cfg.val_fraction, seed=run_config.seed, text_field=data_cfg.text_field)
+  dataset = data_lib.train_dataset(prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed,
+                                   jax.process_index(), jax.process_count())
+  summary = f"train {meta['train']['tokens']:,} tokens, val {meta['val']['tokens']:,} tokens"
+  return tokenizer, RunData(dataset, data_lib.validation_windows(prepared_dir, train_cfg.seq_len), summary)
+
+
+def load_init_params(init_from: str, model_cfg: ModelConfig, shardings: Any) -> Any:
+  """Parameters (only) of another checkpoint directory, refused unless the model shapes match."""
+  saved = checkpoint_lib.read_model_config(init_from)
+  differences = checkpoint_lib.shape_differences(saved, model_cfg)
+  if differences:
+    raise checkpoint_lib.CheckpointError(f"init_from {init_from!r} holds a different model ({', '.join(differences)});"
+                                         f" its model config must match this run's")
+  return checkpoint_lib.load_params(init_from, shardings=shardings)[1]
 
 
 def train(run_config, workdir: str) -> dict[str, Any]:
@@ -327,32 +379,25 @@ def train(run_config, workdir: str) -> dict[str, Any]:
                                                   async_save=train_cfg.async_save)
   checkpointer.check_compatible(model_cfg)  # before anything is written to the workdir
 
-  train_docs, _ = data_lib.split_documents(data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction,
-                                           run_config.seed, data_cfg.text_field)
-  tokenizer = load_tokenizer_for_run(run_config, workdir, train_docs)
+  tokenizer, run_data = prepare_run_data(run_config, workdir)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise data_lib.DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                              f"{model_cfg.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size}")
-  prepared_dir = data_cfg.prepared_dir or os.path.join(workdir, "data")
-  meta = data_lib.prepare(data_cfg.sources, data_cfg.val_sources, tokenizer, prepared_dir,
-                          val_fraction=data_cfg.val_fraction, seed=run_config.seed, text_field=data_cfg.text_field)
-  dataset = data_lib.train_dataset(prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed,
-                                   jax.process_index(), jax.process_count())
   if is_main:
     checkpointer.write_metadata(model_cfg, run_config.to_json_best_effort(), tokenizer.serialized())
 
   mesh = sharding.make_mesh(run_config.mesh)
   trainer = Trainer(model_cfg, run_config, mesh)
-  data_iter = iter(dataset)
+  data_iter = iter(run_data.dataset)
   start = checkpointer.latest_step()
   if start is None:
     state = trainer.init_state()
     start = 0
+    if run_config.init_from:
+      state["params"] = load_init_params(run_config.init_from, model_cfg, trainer.state_shardings["params"])
   else:
     state, data_state = checkpointer.restore(start, trainer.abstract_state())
     data_iter.set_state(data_state)
-    _log.info("resumed from step %d", start)
-  val_windows = data_lib.validation_windows(prepared_dir, train_cfg.seq_len)
   token_bytes = jax.device_put(np.asarray(tokenizer.token_byte_lengths(), np.float32),
                                NamedSharding(mesh, PartitionSpec()))
 
@@ -362,15 +407,33 @@ def train(run_config, workdir: str) -> dict[str, Any]:
   peak = peak_flops_per_device(train_cfg.peak_flops_per_device) * jax.device_count()
   stop = _StopFlag()
   progress = _progress_bar(start, train_cfg.steps, is_main)
-  echo = progress.write if progress is not None else print
+  echo = progress.write if progress is not None else functools.partial(print, flush=True)
   if is_main:
-    echo(f"model {model_cfg.num_params():,} params | mesh {dict(mesh.shape)} | train {meta['train']['tokens']:,} "
-         f"tokens, val {meta['val']['tokens']:,} tokens | steps {start} → {train_cfg.steps}")
+    echo(f"model {model_cfg.num_params():,} params | mesh {dict(mesh.shape)} | {run_data.summary} | steps {start} → "
+         f"{train_cfg.steps}" + (f" | init from {run_config.init_from}" if run_config.init_from and start == 0 else ""))
 
-  pending: list[dict] = []  # device metrics not yet read: fetched one step late, so the host never waits idle
+  # Metrics stay on the device until the *next* step has been dispatched, so reading them never leaves the device
+  # idle; a window's line is written one step after it ends.
+  pending: list[tuple[int, dict]] = []
+  log_due: int | None = None
   last_train: dict[str, float] = {}
   last_eval: dict[str, float] = {}
   window_start, window_step = time.perf_counter(), start
+
+  def log_window(until: int) -> None:
+    nonlocal last_train, window_start, window_step
+    fetched = jax.device_get([m for s, m in pending if s <= until])
+    pending[:] = [(s, m) for s, m in pending if s > until]
+    now = time.perf_counter()
+    elapsed, steps_done = now - window_start, until - window_step
+    last_train = dict(
+        loss=float(np.mean([m["loss"] for m in fetched])), grad_norm=float(fetched[-1]["grad_norm"]),
+        lr=float(fetched[-1]["lr"]), tokens_per_s=tokens_per_step * steps_done / elapsed,
+        step_time_s=elapsed / steps_done, mfu=model_flops * steps_done / elapsed / peak)
+    last_train["perplexity"] = math.exp(min(last_train["loss"], 50.0))
+    writer.write(until, last_train, echo=echo)
+    window_start, window_step = now, until
+
   step = start
   try:
     while step < train_cfg.steps and not stop.requested:
@@ -380,25 +443,20 @@ def train(run_config, workdir: str) -> dict[str, Any]:
       batch = trainer.global_batch(local_batch)
       state, metrics = trainer.train_step(state, batch)
       step += 1
-      pending.append(metrics)
+      pending.append((step, metrics))
       if progress is not None:
         progress.update(1)
-      if step % train_cfg.log_every == 0 or step == train_cfg.steps:
-        fetched = jax.device_get(pending)
-        pending.clear()
-        elapsed = time.perf_counter() - window_start
-        steps_done = step - window_step
-        last_train = dict(
-            loss=float(np.mean([m["loss"] for m in fetched])),
-            grad_norm=float(fetched[-1]["grad_norm"]), lr=float(fetched[-1]["lr"]),
-            tokens_per_s=tokens_per_step * steps_done / elapsed, step_time_s=elapsed / steps_done,
-            mfu=model_flops * steps_done / elapsed / peak)
-        last_train["perplexity"] = math.exp(min(last_train["loss"], 50.0))
-        writer.write(step, last_train, echo=echo)
-        window_start, window_step = time.perf_counter(), step
+      if log_due is not None:
+        log_window(log_due)
+        log_due = None
+      if step % train_cfg.log_every == 0:
+        log_due = step
       if train_cfg.eval_every and (step % train_cfg.eval_every == 0 or step == train_cfg.steps):
+        if log_due is not None:
+          log_window(log_due)
+          log_due = None
         last_eval = trainer.evaluate(state["params"], data_lib.eval_batches(
-            val_windows, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches), token_bytes)
+            run_data.val_examples, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches), token_bytes)
         if last_eval:
           writer.write(step, last_eval, prefix="val_", echo=echo)
         window_start, window_step = time.perf_counter(), step  # evaluation time is not training throughput
@@ -406,6 +464,8 @@ def train(run_config, workdir: str) -> dict[str, Any]:
         checkpointer.save(step, state, data_iter.get_state())
         if os.environ.get(KILL_AFTER_SAVE_ENV) == str(step):
           os.kill(os.getpid(), signal.SIGKILL)  # tests: a crash while the async write is in flight
+    if pending:
+      log_window(pending[-1][0])
     if step > (checkpointer.latest_step() or 0):
       checkpointer.save(step, state, data_iter.get_state())
     if stop.requested and is_main:
