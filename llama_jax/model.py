@@ -116,11 +116,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None,
                cache: LayerCache | None = None) -> tuple[Array, tuple[Array, Array]]:
-    """Output [B, T, D] and this call's rotated keys and values [B, T, K, H] (what a KV cache stores).
-
-    With a cache, the new keys/values are placed at slot `cache.index` of this layer's cache and the queries attend
-    over every filled slot by position (decoding); without one, over this call's tokens only.
-    """
+    """Output [B, T, D] and keys/values: without a cache, this call's rotated keys and values [B, T, K, H], the
+    queries attending over this call's tokens only; with one, the layer's cache [B, S, K, H] with the new keys and
+    values placed at slot `cache.index`, the queries attending over every filled slot by position (decoding)."""
     dtype = x_BTD.dtype
     q_BTNH = project(x_BTD, self.wq[...].astype(dtype))  # BTD,DNH->BTNH
     k_BTKH = project(x_BTD, self.wk[...].astype(dtype))  # BTD,DKH->BTKH
@@ -139,6 +137,7 @@ class Attention(nnx.Module):
       out_BTNH = attention_lib.attention(
           q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), q_positions=positions_BT,
           kv_positions=cache.positions, implementation=self.cfg.attention)
+      k_BTKH, v_BTKH = k_BSKH, v_BSKH
     b, t, n, h = out_BTNH.shape
     out_BTD = project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
     return out_BTD, (k_BTKH, v_BTKH)
@@ -271,20 +270,16 @@ class Llama(nnx.Module):
                                                                         EMPTY_POSITION)
     slot_positions = jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
 
-    def run_cached_layer(carry, layer):
-      # The stacked cache rides in the carry and only the T new slots of layer l are written: no per-step copy of
-      # the whole cache.
-      h_BTD, k_all, v_all = carry
-      one_layer_state, l = layer
+    def run_cached_layer(h_BTD, layer):
+      # Each layer's cache slice comes in as a scan input and leaves as a scan output with the T new slots written.
+      one_layer_state, k_BSKH, v_BSKH = layer
       block = nnx.merge(graphdef, one_layer_state, copy=True)
-      layer_cache = LayerCache(k=k_all[l], v=v_all[l], positions=slot_positions, index=cache.index)
-      h_BTD, (k_BTKH, v_BTKH) = block(h_BTD, positions_BT, segment_ids_BT, layer_cache)
-      k_all = jax.lax.dynamic_update_slice(k_all, k_BTKH[None].astype(k_all.dtype), (l, 0, cache.index, 0, 0))
-      v_all = jax.lax.dynamic_update_slice(v_all, v_BTKH[None].astype(v_all.dtype), (l, 0, cache.index, 0, 0))
-      return (h_BTD, k_all, v_all), None
+      layer_cache = LayerCache(k=k_BSKH, v=v_BSKH, positions=slot_positions, index=cache.index)
+      h_BTD, updated_kv = block(h_BTD, positions_BT, segment_ids_BT, layer_cache)
+      return h_BTD, updated_kv
 
-    (x_BTD, k_all, v_all), _ = jax.lax.scan(
-        run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, jnp.arange(cfg.n_layers)))
+    # Decoding always scans: each layer's cache slice is a scan input and its updated slice a scan output.
+    x_BTD, (k_all, v_all) = jax.lax.scan(run_cached_layer, x_BTD, (layer_state, cache.k, cache.v))
     new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
     return self._logits(x_BTD), new_cache
 

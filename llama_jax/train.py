@@ -434,7 +434,17 @@ def train(run_config, workdir: str) -> dict[str, Any]:
     writer.write(until, last_train, echo=echo)
     window_start, window_step = now, until
 
+  def evaluate_and_log(step: int) -> dict[str, float]:
+    metrics = trainer.evaluate(state["params"], data_lib.eval_batches(
+        run_data.val_examples, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches), token_bytes)
+    if metrics:
+      writer.write(step, metrics, prefix="val_", echo=echo)
+    return metrics
+
   step = start
+  if start == 0 and run_config.init_from and train_cfg.eval_every:
+    evaluate_and_log(0)  # the starting point of a fine-tune, for a before/after comparison
+    window_start = time.perf_counter()
   try:
     while step < train_cfg.steps and not stop.requested:
       local_batch = next(data_iter)
@@ -455,10 +465,7 @@ def train(run_config, workdir: str) -> dict[str, Any]:
         if log_due is not None:
           log_window(log_due)
           log_due = None
-        last_eval = trainer.evaluate(state["params"], data_lib.eval_batches(
-            run_data.val_examples, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches), token_bytes)
-        if last_eval:
-          writer.write(step, last_eval, prefix="val_", echo=echo)
+        last_eval = evaluate_and_log(step)
         window_start, window_step = time.perf_counter(), step  # evaluation time is not training throughput
       if step % train_cfg.save_every == 0 and step < train_cfg.steps:
         checkpointer.save(step, state, data_iter.get_state())
