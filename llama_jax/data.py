@@ -312,12 +312,13 @@ def _package_dir(module: str, install: str) -> str:
 
 def _chitchat_conversations() -> Iterator[tuple[str, Any]]:
   """chitchat-dataset: each conversation is a list of runs of one speaker; runs alternate user → assistant (the
-  messages of a run joined by newlines). A trailing user run has no answer and is dropped."""
+  messages of a run joined by spaces, as the package itself does). A trailing user run has no answer and is
+  dropped, so a one-speaker conversation has no messages and is skipped."""
   path = os.path.join(_package_dir("chitchat_dataset", "chitchat-dataset"), "dataset.json")
   with open(path, encoding="utf-8") as f:
     conversations = json.load(f)
   for conv_id, conv in conversations.items():
-    runs = ["\n".join(m["text"] for m in run) for run in conv["messages"]]
+    runs = [" ".join(m["text"] for m in run) for run in conv["messages"]]
     if len(runs) % 2:
       runs = runs[:-1]
     yield (f"{CHITCHAT}:{conv_id}",

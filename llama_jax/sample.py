@@ -270,7 +270,7 @@ def chat_session(sampler: Sampler, tokenizer, *, system: str | None, sampling: S
       sys.stdout.write("\n")
     else:
       reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index)[0]
-      print(tokenizer.decode(reply_ids).strip(), flush=True)
+      print(" ".join(tokenizer.decode(reply_ids).split()), flush=True)  # one line per reply, for scripts
     history += [{"role": "user", "content": user}, {"role": "assistant", "content": tokenizer.decode(reply_ids)}]
 
 
