@@ -64,11 +64,24 @@ def batches_by_step(workdir):
   return {r["step"]: r["inputs_sha256"] for r in read_jsonl(os.path.join(workdir, "batches.jsonl"))}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["no_accum", "grad_accum2"])
-def uninterrupted(request, tmp_path_factory, small_tokenizer):
-  workdir = tmp_path_factory.mktemp(f"straight{request.param}")
-  run_train(workdir, small_tokenizer, f"--config.train.grad_accum={request.param}")
-  return request.param, workdir
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory, small_tokenizer):
+  """Uninterrupted 12-step runs, one per gradient-accumulation setting, made once and shared."""
+  runs = {}
+
+  def get(accum: int):
+    if accum not in runs:
+      workdir = tmp_path_factory.mktemp(f"straight{accum}")
+      run_train(workdir, small_tokenizer, f"--config.train.grad_accum={accum}")
+      runs[accum] = workdir
+    return runs[accum]
+
+  return get
+
+
+@pytest.fixture(params=[1, 2], ids=["no_accum", "grad_accum2"])
+def uninterrupted(request, straight_runs):
+  return request.param, straight_runs(request.param)
 
 
 def test_loss_goes_down_and_validation_metrics_are_written(uninterrupted):
@@ -102,10 +115,7 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(uninterrupted, t
   assert batches_by_step(workdir) == batches_by_step(straight)
 
 
-def test_sigterm_saves_and_stops_then_the_rerun_finishes_identically(uninterrupted, tmp_path, small_tokenizer):
-  accum, straight = uninterrupted
-  if accum != 1:
-    pytest.skip("one SIGTERM run is enough")
+def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path, small_tokenizer):
   workdir = tmp_path / "preempted"
   args = [sys.executable, "-m", "llama_jax.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
           f"--config.data.tokenizer={small_tokenizer}", *MICRO, "--config.train.steps=100000",
@@ -120,13 +130,17 @@ def test_sigterm_saves_and_stops_then_the_rerun_finishes_identically(uninterrupt
   assert "stopped by signal" in output
   saved = [int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()]
   assert len(saved) == 1 and saved[0] >= 3
+  # The same command resumes from that step (and is stopped the same way).
+  process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  first = next(line for line in process.stdout if "steps" in line)
+  process.send_signal(signal.SIGTERM)
+  process.communicate(timeout=300)
+  assert f"steps {saved[0]} → 100000" in first, first
 
 
-def test_incomplete_checkpoint_directory_is_ignored_on_resume(uninterrupted, tmp_path, small_tokenizer):
+def test_incomplete_checkpoint_directory_is_ignored_on_resume(straight_runs, tmp_path, small_tokenizer):
   """What a kill mid-write leaves behind (orbax's temporary directory) never counts as a checkpoint."""
-  accum, straight = uninterrupted
-  if accum != 1:
-    pytest.skip("once is enough")
+  straight = straight_runs(1)
   workdir = tmp_path / "partial"
   shutil.copytree(straight, workdir)
   for step in ("8", "12"):
@@ -160,10 +174,8 @@ def assert_one_line_error(result, *fragments):
     assert fragment in lines[0], lines[0]
 
 
-def test_incompatible_workdir_is_refused_and_left_untouched(uninterrupted, small_tokenizer):
-  accum, workdir = uninterrupted
-  if accum != 1:
-    pytest.skip("once is enough")
+def test_incompatible_workdir_is_refused_and_left_untouched(straight_runs, small_tokenizer):
+  workdir = straight_runs(1)
   before = {p: os.path.getmtime(os.path.join(d, p)) for d, _, files in os.walk(workdir) for p in files}
   result = run_train(workdir, small_tokenizer, "--config.model.dim=64", check=False)
   assert_one_line_error(result, "different model", "dim 32 → 64")
