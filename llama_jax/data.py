@@ -189,18 +189,34 @@ def _write_split(refs: Sequence[DocumentRef], tokenizer, path: str, text_field: 
   return counts
 
 
+def _prepared_meta(out_dir: str, fingerprint: str) -> dict[str, Any] | None:
+  """meta.json of an earlier preparation of the same inputs, or None when there is none to reuse."""
+  path = os.path.join(out_dir, "meta.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    meta = json.load(f)
+  if meta.get("fingerprint") != fingerprint:
+    return None
+  _log.info("reusing prepared data in %s", out_dir)
+  return meta
+
+
+def _write_meta(out_dir: str, meta: dict[str, Any]) -> None:
+  path = os.path.join(out_dir, "meta.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(meta, f, indent=2)
+  os.replace(path + ".tmp", path)  # written last: a crash before this line means "not prepared"
+
+
 def prepare(sources: Sequence[str], val_sources: Sequence[str], tokenizer, out_dir: str, *, val_fraction: float = 0.0,
             seed: int = 0, text_field: str = "text") -> dict[str, Any]:
   """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when the inputs are unchanged)."""
   train, val = split_documents(sources, val_sources, val_fraction, seed, text_field)
   fingerprint = _fingerprint(train, val, tokenizer, text_field)
-  meta_path = os.path.join(out_dir, "meta.json")
-  if os.path.isfile(meta_path):
-    with open(meta_path) as f:
-      meta = json.load(f)
-    if meta.get("fingerprint") == fingerprint:
-      _log.info("reusing prepared data in %s", out_dir)
-      return meta
+  cached = _prepared_meta(out_dir, fingerprint)
+  if cached is not None:
+    return cached
   os.makedirs(out_dir, exist_ok=True)
   dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
   meta = dict(format=FORMAT_VERSION, fingerprint=fingerprint, dtype=np.dtype(dtype).name,
@@ -213,10 +229,7 @@ def prepare(sources: Sequence[str], val_sources: Sequence[str], tokenizer, out_d
   if meta["train"]["replaced_bytes"] or meta["val"]["replaced_bytes"]:
     _log.warning("replaced %d invalid UTF-8 bytes with U+FFFD", meta["train"]["replaced_bytes"] +
                  meta["val"]["replaced_bytes"])
-  tmp = meta_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(meta, f, indent=2)
-  os.replace(tmp, meta_path)  # written last: a crash before this line means "not prepared"
+  _write_meta(out_dir, meta)
   return meta
 
 
@@ -444,12 +457,9 @@ def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int
                                      sort_keys=True).encode())
   digest.update(hashlib.sha256(tokenizer.serialized()).digest())
   fingerprint = digest.hexdigest()
-  meta_path = os.path.join(out_dir, "meta.json")
-  if os.path.isfile(meta_path):
-    with open(meta_path) as f:
-      meta = json.load(f)
-    if meta.get("fingerprint") == fingerprint:
-      return meta
+  cached = _prepared_meta(out_dir, fingerprint)
+  if cached is not None:
+    return cached
   os.makedirs(out_dir, exist_ok=True)
   meta = dict(format=FORMAT_VERSION, kind="sft", fingerprint=fingerprint, seq_len=seq_len, skipped=len(problems),
               skipped_examples=problems[:5])
@@ -468,10 +478,7 @@ def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int
                        assistant_tokens=int(arrays["weights"].sum()),
                        dropped_exchanges=sum(c.dropped_exchanges for c in encoded),
                        truncated_prompts=sum(c.truncated for c in encoded), too_long=too_long)
-  tmp = meta_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(meta, f, indent=2)
-  os.replace(tmp, meta_path)
+  _write_meta(out_dir, meta)
   return meta
 
 

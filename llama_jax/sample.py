@@ -303,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)")
   args = parser.parse_args(argv)
   try:
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+      raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
     if args.chat:
-      sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-      if args.max_new_tokens < 1:
-        raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
       sampler, tokenizer = load_sampler(args.checkpoint)
       if args.max_new_tokens >= sampler.cfg.max_seq_len:
         raise SampleError(f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
@@ -326,9 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     for i, prompt in enumerate(prompts):
       if not prompt.strip():
         raise SampleError(f"prompt {i} is empty: prompts need some text")
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    if args.max_new_tokens < 1:
-      raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
     sampler, tokenizer = load_sampler(args.checkpoint)
     encoded = [tokenizer.encode(p, bos=True) for p in prompts]
     sampler.validate(encoded, args.max_new_tokens)

@@ -207,9 +207,7 @@ class Trainer:
                               out_shardings=replicated)
 
   def abstract_state(self) -> State:
-    def init():
-      return self._init_state()
-    shapes = jax.eval_shape(init)
+    shapes = jax.eval_shape(self._init_state)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
                         self.state_shardings)
 
@@ -372,7 +370,7 @@ def train(run_config, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a run in `workdir`; returns the last train and validation metrics."""
   sharding.maybe_initialize_distributed()
   model_cfg = model_config_from(run_config)
-  train_cfg, data_cfg = run_config.train, run_config.data
+  train_cfg = run_config.train
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.TrainCheckpointer(workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every,
