@@ -1,8 +1,10 @@
 """LLaMA 2 7B pretraining on a Cloud TPU v4-32 slice: 16 chips (4 hosts × 4), 32 GiB HBM each.
 
-Pure FSDP over the 16 chips: float32 params + AdamW moments are 6.74e9 × 12 bytes / 16 ≈ 4.7 GiB per chip, leaving
-the rest of HBM for activations of 4 sequences × 4096 tokens per chip under the `dots_no_batch` remat policy.
-Global batch 64 × 4096 = 262,144 tokens per step.
+Pure FSDP over the 16 chips: float32 params + AdamW moments are 6.74e9 × 12 bytes / 16 = 4.7 GiB per chip; the rest
+of HBM holds the activations of 4 sequences × 4096 tokens per chip under full rematerialisation. Global batch
+64 × 4096 = 262,144 tokens per step. `python -m llama_jax.plan --config configs/tpu_v4.py --devices 16` shows the
+per-chip plan (BENCHMARKS.md has its output). Point data.sources and data.tokenizer at your corpus and its
+sentencepiece model (multi-host runs need a prepared tokenizer), and --workdir at a gs:// path.
 """
 
 import os

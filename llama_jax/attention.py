@@ -1,7 +1,9 @@
 """Attention kernels behind one function: XLA everywhere, cudnn flash attention on GPU, splash attention on TPU.
 
 ``attention()`` picks the kernel from the backend and the shapes; the accelerator kernels are used only where they
-apply, so every configuration also runs on CPU through the XLA path. Axis legend as in model.py.
+apply, so every configuration also runs on CPU through the XLA paths: "xla" (scores for the whole sequence at once)
+and "chunked" (query chunks in a rematerialised loop, so that memory grows with T·chunk instead of T², as the flash
+kernels' does; "auto" uses it for long sequences when no accelerator kernel applies). Axis legend as in model.py.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import numpy as np
 from llama_jax import sharding
 
 Array = jax.Array
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash")
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of this many tokens
+QUERY_CHUNK = 512  # "chunked": queries per chunk
+LONG_SEQUENCE = 2048  # "auto" without an accelerator kernel: chunked from this length on (xla below: faster)
 
 _log = logging.getLogger(__name__)
 
@@ -29,8 +33,12 @@ def choose_implementation(requested: str, backend: str, *, q_len: int, kv_len: i
     raise ValueError(f"attention implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {requested!r}")
   if requested == "xla" or has_positions:
     return "xla"
-  wanted = requested if requested != "auto" else {"gpu": "cudnn", "tpu": "splash"}.get(backend, "xla")
-  if wanted == "cudnn":
+  chunkable = q_len == kv_len and q_len % QUERY_CHUNK == 0 and q_len > QUERY_CHUNK
+  fallback = "chunked" if chunkable and (requested == "chunked" or q_len >= LONG_SEQUENCE) else "xla"
+  wanted = requested if requested != "auto" else {"gpu": "cudnn", "tpu": "splash"}.get(backend, fallback)
+  if wanted == "chunked":
+    ok = chunkable
+  elif wanted == "cudnn":
     # cuDNN's fused kernel: GPU, half precision, head_dim a multiple of 8 up to 128; packed segments go to XLA.
     ok = (backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
           and head_dim <= 128 and not has_segment_ids)
@@ -39,9 +47,9 @@ def choose_implementation(requested: str, backend: str, *, q_len: int, kv_len: i
   else:
     ok = False
   if not ok and requested != "auto":
-    _log.warning("attention=%r does not apply on backend %r with these shapes; using the XLA kernel", requested,
-                 backend)
-  return wanted if ok else "xla"
+    _log.warning("attention=%r does not apply on backend %r with these shapes; using the %s kernel", requested,
+                 backend, fallback)
+  return wanted if ok else fallback
 
 
 def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids: Array | None = None,
@@ -61,6 +69,8 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids: Arr
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
   if impl == "splash":
     return splash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids=q_segment_ids)
+  if impl == "chunked":
+    return chunked_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids=q_segment_ids)
   return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                        q_positions=q_positions, kv_positions=kv_positions)
 
@@ -109,6 +119,27 @@ def xla_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids=
   probs_BKGTS = softmax(scores_BKGTS).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(batch, q_len, n_heads, head_dim)
+
+
+def chunked_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None,
+                      chunk: int = QUERY_CHUNK) -> Array:
+  """Causal self-attention in query chunks (T == S, T divisible by `chunk`), each chunk against every key, in a
+  loop whose body is rematerialised: only one chunk's [B, N, chunk, S] scores are alive at a time, forward or
+  backward. Exact (a whole softmax row per query), so it equals `xla_attention`."""
+  batch, q_len, n_heads, head_dim = q_BTNH.shape
+  n_chunks = q_len // chunk
+  q_CBTNH = q_BTNH.reshape(batch, n_chunks, chunk, n_heads, head_dim).swapaxes(0, 1)
+  kv_positions_BS = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
+  segments_CBT = None if segment_ids is None else segment_ids.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(c, q_BTNH, segments_BT):
+    q_positions_BT = jnp.broadcast_to(c * chunk + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+    return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids=segments_BT, kv_segment_ids=segment_ids,
+                         q_positions=q_positions_BT, kv_positions=kv_positions_BS)
+
+  out_CBTNH = jax.lax.map(lambda xs: one_chunk(*xs), (jnp.arange(n_chunks), q_CBTNH, segments_CBT))
+  return out_CBTNH.swapaxes(0, 1).reshape(q_BTNH.shape)
 
 
 def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None,

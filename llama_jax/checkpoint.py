@@ -11,10 +11,14 @@ Layout of a checkpoint directory (from training or from ``convert --from_hf``):
 
 Only complete steps are visible: orbax writes a step under a temporary name and renames it when every item is
 written, so a process killed mid-save leaves the previous step as the latest.
+
+A training workdir may be a local path or a remote one (``gs://bucket/run``): everything written there goes through
+``etils.epath`` and orbax; what must be local (memory-mapped data, a tokenizer being trained) goes to `local_dir`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +26,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from llama_jax.config import ModelConfig
@@ -41,9 +46,33 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidde
                 "param_dtype")
 
 
+def is_remote(path: str) -> bool:
+  return "://" in str(path)
+
+
 def _steps_path(directory: str) -> str:
   # gs:// and other remote paths go to orbax as they are; local paths are made absolute (orbax requires it).
-  return os.path.join(directory if "://" in directory else os.path.abspath(directory), STEPS_DIR)
+  return os.path.join(directory if is_remote(directory) else os.path.abspath(directory), STEPS_DIR)
+
+
+def local_dir(workdir: str, name: str) -> str:
+  """`workdir/name` for a local workdir; for a remote one, a directory under ~/.cache/llama_jax named after it."""
+  if not is_remote(workdir):
+    return os.path.join(workdir, name)
+  key = hashlib.sha256(str(workdir).encode()).hexdigest()[:12]
+  return os.path.join(os.path.expanduser("~/.cache/llama_jax"), f"{os.path.basename(str(workdir).rstrip('/'))}-{key}",
+                      name)
+
+
+def local_file(path: str) -> str:
+  """A local path holding the file `path` (copied into the local cache when `path` is remote)."""
+  if not is_remote(path):
+    return path
+  local = os.path.join(local_dir(os.path.dirname(path), "files"), os.path.basename(path))
+  os.makedirs(os.path.dirname(local), exist_ok=True)
+  with open(local, "wb") as f:
+    f.write(epath.Path(path).read_bytes())
+  return local
 
 
 def _manager(directory: str, create: bool) -> ocp.CheckpointManager:
@@ -68,13 +97,12 @@ def save_params_dir(directory: str, cfg: ModelConfig, params: Any, step: int = 0
 
 
 def read_model_config(directory: str) -> ModelConfig:
-  path = os.path.join(directory, CONFIG_FILE)
-  if not os.path.isdir(directory):
+  path = epath.Path(directory) / CONFIG_FILE
+  if not epath.Path(directory).is_dir():
     raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
-  if not os.path.isfile(path):
+  if not path.is_file():
     raise CheckpointError(f"{directory!r} is not a llama_jax checkpoint directory: {CONFIG_FILE} is missing")
-  with open(path) as f:
-    return ModelConfig.from_dict(json.load(f))
+  return ModelConfig.from_dict(json.loads(path.read_text()))
 
 
 def abstract_params(cfg: ModelConfig, shardings: Any = None) -> Any:
@@ -91,7 +119,7 @@ def abstract_params(cfg: ModelConfig, shardings: Any = None) -> Any:
 def load_params(directory: str, step: int | None = None, shardings: Any = None) -> tuple[ModelConfig, Any]:
   """(model config, params) of the latest (or given) complete step of a checkpoint directory."""
   cfg = read_model_config(directory)
-  manager = _manager(directory, create=False) if os.path.isdir(os.path.join(directory, STEPS_DIR)) else None
+  manager = _manager(directory, create=False) if (epath.Path(directory) / STEPS_DIR).is_dir() else None
   steps = manager.all_steps() if manager else []
   if not steps:
     raise CheckpointError(f"checkpoint directory {directory!r} holds no complete checkpoint step")
@@ -126,8 +154,7 @@ class TrainCheckpointer:
 
   def check_compatible(self, cfg: ModelConfig) -> None:
     """Refuses a workdir holding checkpoints of another model shape: they are never overwritten."""
-    path = os.path.join(self.workdir, CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not (epath.Path(self.workdir) / CONFIG_FILE).is_file():
       if self.manager.latest_step() is not None:
         raise CheckpointError(f"workdir {self.workdir!r} holds checkpoints but no {CONFIG_FILE}; use a new --workdir")
       return
@@ -138,14 +165,15 @@ class TrainCheckpointer:
                             f"({', '.join(differences)}); use a new --workdir or the saved model config")
 
   def write_metadata(self, cfg: ModelConfig, run_config_json: str, tokenizer_bytes: bytes | None) -> None:
-    os.makedirs(self.workdir, exist_ok=True)
+    """Process 0 only: the files that make the workdir self-describing, each written whole then renamed."""
+    workdir = epath.Path(self.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     for name, content in ((CONFIG_FILE, cfg.to_json().encode()), (RUN_CONFIG_FILE, run_config_json.encode()),
                           (TOKENIZER_FILE, tokenizer_bytes)):
       if content is not None:
-        tmp = os.path.join(self.workdir, name + ".tmp")
-        with open(tmp, "wb") as f:
-          f.write(content)
-        os.replace(tmp, os.path.join(self.workdir, name))
+        tmp = workdir / (name + ".tmp")
+        tmp.write_bytes(content)
+        tmp.replace(workdir / name)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

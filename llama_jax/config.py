@@ -14,7 +14,7 @@ from typing import Any, Mapping
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
 
 
 class ConfigError(ValueError):
@@ -46,7 +46,7 @@ class ModelConfig:
   param_dtype: str = "float32"  # storage dtype of parameters and optimizer moments
   scan_layers: bool = True  # run the stacked layers with lax.scan (False: a Python loop, same numbers)
   remat: str = "none"  # none | full | dots | dots_no_batch
-  attention: str = "auto"  # auto (by backend) | xla | cudnn | splash
+  attention: str = "auto"  # auto (by backend) | xla | chunked | cudnn | splash
   init_std: float = 0.02
 
   def __post_init__(self):
@@ -170,8 +170,9 @@ def base_run_config():
   cfg.model.n_kv_heads = ml_collections.FieldReference(None, field_type=int)
   cfg.model.ffn_dim_multiplier = ml_collections.FieldReference(None, field_type=float)
   cfg.model.ffn_hidden_dim = ml_collections.FieldReference(None, field_type=int)
-  # Devices are arranged as data × fsdp × tensor; -1 takes the devices the other axes leave.
-  cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  # Devices are arranged as data × fsdp × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the
+  # data axis over that many slices (multi-slice TPU, or GPU hosts): fsdp and tensor then stay within a slice.
+  cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
   cfg.logical_axis_rules = DEFAULT_LOGICAL_AXIS_RULES
   cfg.train = ml_collections.ConfigDict(dict(
       batch_size=8,  # global batch: sequences per optimizer step, over all devices and processes

@@ -278,27 +278,44 @@ def train_dataset(prepared_dir: str, seq_len: int, global_batch: int, seed: int,
     raise DataError(f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
                     f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
                     f"train.batch_size / train.seq_len")
+  return _process_batches(windows, global_batch, seed, process_index, process_count)
+
+
+def _process_batches(source, global_batch: int, seed: int, process_index: int, process_count: int) -> grain.MapDataset:
+  """Endless shuffled batches: global batch i is examples perm[i·B : (i+1)·B]; process p reads only rows
+  [p·B/P, (p+1)·B/P) of it, so the global array assembled from all processes (in process order) is the same batch a
+  single process would read, and the iterator state (a batch count) means the same for any number of processes."""
   if global_batch % process_count:
     raise DataError(f"train.batch_size {global_batch} is not divisible by the {process_count} processes")
-  # Row j of global batch i is window perm[i·B + j]; process p takes rows p, p + P, ... so shares are disjoint.
-  dataset = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)[process_index::process_count]
-  return dataset.batch(global_batch // process_count, drop_remainder=True)
+  local = global_batch // process_count
+  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None).batch(local, drop_remainder=True)
+  return dataset[process_index::process_count]
 
 
-def eval_batches(examples, batch_size: int, max_batches: int = 0) -> Iterator[dict[str, np.ndarray]]:
-  """Examples (windows or packed conversation rows) in order, the same every evaluation, at most `max_batches`
-  batches (0: all). The last batch is padded to `batch_size` rows whose "weights" are 0, so every example counts once
-  and shapes never change."""
+def eval_batches(examples, batch_size: int, max_batches: int = 0, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+  """This process's rows of global batches of `batch_size` examples (windows or packed conversation rows), in order,
+  the same every evaluation, at most `max_batches` batches (0: all). Process p takes rows [p·B/P, (p+1)·B/P) of each,
+  as in training. Rows past the end are padding with "weights" 0, so every example counts once, shapes never change
+  and every process runs the same number of batches."""
+  if batch_size % process_count:
+    raise DataError(f"train.batch_size {batch_size} is not divisible by the {process_count} processes")
+  local = batch_size // process_count
   n_batches = -(-len(examples) // batch_size)
   if max_batches:
     n_batches = min(n_batches, max_batches)
+  if not n_batches:
+    return
+  template = dict(examples[0])
+  template.setdefault("weights", np.ones(template["targets"].shape, np.float32))
+  padding = {k: np.zeros_like(v) for k, v in template.items()}
   for b in range(n_batches):
-    rows = [examples[i] for i in range(b * batch_size, min((b + 1) * batch_size, len(examples)))]
+    start = b * batch_size + process_index * local
+    rows = [dict(examples[i]) for i in range(start, min(start + local, len(examples)))]
     for row in rows:
       row.setdefault("weights", np.ones(row["targets"].shape, np.float32))
-    padding = {k: np.zeros_like(v) for k, v in rows[0].items()}
-    rows += [padding] * (batch_size - len(rows))
-    yield {k: np.stack([row[k] for row in rows]) for k in rows[0]}
+    rows += [padding] * (local - len(rows))
+    yield {k: np.stack([row[k] for row in rows]) for k in template}
 
 
 def validation_windows(prepared_dir: str, seq_len: int) -> TokenWindows:
@@ -501,5 +518,4 @@ def sft_train_dataset(prepared_dir: str, global_batch: int, seed: int, process_i
   if len(rows) < global_batch:
     raise DataError(f"too few conversations for one batch: {len(rows)} packed rows, but a batch needs "
                     f"{global_batch}; add data or lower train.batch_size")
-  dataset = grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None)[process_index::process_count]
-  return dataset.batch(global_batch // process_count, drop_remainder=True)
+  return _process_batches(rows, global_batch, seed, process_index, process_count)

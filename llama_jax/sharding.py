@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -30,28 +31,59 @@ class ShardingError(ValueError):
   """The mesh does not fit the devices or the model; the message names the values."""
 
 
-def maybe_initialize_distributed() -> None:
-  """Joins a multi-process JAX job when the environment describes one; a no-op on a single host.
+def maybe_initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                                 process_id: int | None = None) -> None:
+  """Joins a multi-process JAX job when the arguments or the environment describe one; a no-op on a single host.
 
-  Recognised: an explicit coordinator (JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES / JAX_PROCESS_ID), a multi-host
-  Cloud TPU slice (TPU_WORKER_HOSTNAMES lists more than one host), SLURM or Open MPI jobs of more than one task.
+  Recognised: explicit arguments (the train CLI's --coordinator_address/--num_processes/--process_id), the same three
+  as JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, a multi-host Cloud TPU slice
+  (TPU_WORKER_HOSTNAMES lists more than one host), SLURM or Open MPI jobs of more than one task (JAX reads those).
   """
+  if jax.distributed.is_initialized():
+    return
   env = os.environ
-  multi = (
-      "JAX_COORDINATOR_ADDRESS" in env
-      or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
-      or int(env.get("SLURM_NTASKS", "1") or 1) > 1
-      or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1)
-  if multi and not jax.distributed.is_initialized():
-    jax.distributed.initialize()
-    _log.info("process %d of %d joined the distributed job", jax.process_index(), jax.process_count())
+  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+  if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+    num_processes = _int_env("JAX_NUM_PROCESSES")
+  if process_id is None and env.get("JAX_PROCESS_ID"):
+    process_id = _int_env("JAX_PROCESS_ID")
+  explicit = (coordinator_address, num_processes, process_id)
+  if any(v is not None for v in explicit):
+    if None in explicit:
+      raise ShardingError(f"a multi-process run needs all of coordinator_address, num_processes and process_id; got "
+                          f"coordinator_address={coordinator_address!r}, num_processes={num_processes!r}, "
+                          f"process_id={process_id!r}")
+    if not 0 <= process_id < num_processes:
+      raise ShardingError(f"process_id must be in [0, num_processes={num_processes}), got {process_id}")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  elif (len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
+        or int(env.get("SLURM_NTASKS", "1") or 1) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1):
+    jax.distributed.initialize()  # JAX detects the cluster's coordinator, size and rank itself
+  else:
+    return
+  _log.info("process %d of %d joined the distributed job", jax.process_index(), jax.process_count())
+
+
+def _int_env(name: str) -> int:
+  try:
+    return int(os.environ[name])
+  except ValueError:
+    raise ShardingError(f"{name} must be an integer, got {os.environ[name]!r}") from None
 
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) with one -1 replaced by the devices the other axes leave; the product must equal n_devices."""
-  unknown = sorted(set(mesh_cfg) - set(MESH_AXES))
+  """Global (data, fsdp, tensor) sizes, one -1 replaced by the devices the other axes leave.
+
+  `dcn_data` (default 1) is the number of slices (multi-slice TPU, or hosts joined by a slower network) that the data
+  axis spans: the data axis is dcn_data × data, and the -1 is resolved within one slice.
+  """
+  unknown = sorted(set(mesh_cfg) - set(MESH_AXES) - {"dcn_data"})
   if unknown:
-    raise ShardingError(f"unknown mesh axes {unknown}; the mesh axes are {', '.join(MESH_AXES)}")
+    raise ShardingError(f"unknown mesh axes {unknown}; the mesh axes are {', '.join(MESH_AXES)} (and dcn_data)")
+  dcn = int(mesh_cfg.get("dcn_data", 1))
+  if dcn < 1 or n_devices % dcn:
+    raise ShardingError(f"mesh.dcn_data must be a positive integer that divides the {n_devices} devices, got {dcn}")
+  per_slice = n_devices // dcn
   sizes = [int(mesh_cfg.get(axis, 1)) for axis in MESH_AXES]
   for axis, size in zip(MESH_AXES, sizes):
     if size == 0 or size < -1:
@@ -60,23 +92,37 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int
     raise ShardingError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
-    if n_devices % known:
+    if per_slice % known:
       raise ShardingError(f"mesh axes other than -1 multiply to {known}, which does not divide the "
-                          f"{n_devices} devices")
-    sizes[sizes.index(-1)] = n_devices // known
-  if math.prod(sizes) != n_devices:
+                          f"{per_slice} devices" + (f" of each of the {dcn} slices" if dcn > 1 else ""))
+    sizes[sizes.index(-1)] = per_slice // known
+  if math.prod(sizes) != per_slice:
+    where = f"devices per slice ({n_devices} devices / dcn_data {dcn})" if dcn > 1 else "devices are available"
     raise ShardingError(f"mesh data×fsdp×tensor = {sizes[0]}×{sizes[1]}×{sizes[2]} = {math.prod(sizes)} "
-                        f"devices, but {n_devices} devices are available")
-  return tuple(sizes)
+                        f"devices, but {per_slice} {where}")
+  return dcn * sizes[0], sizes[1], sizes[2]
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), axis types Auto."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices))
+  dcn = int(mesh_cfg.get("dcn_data", 1))
   # Auto axes: the compiler propagates shardings from parameters and constraints (Explicit would demand
   # out_sharding on every gather).
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if dcn == 1:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+  # Multi-slice: only the data axis crosses the slow network (one gradient all-reduce per step); fsdp and tensor
+  # stay inside a slice. Slices are TPU slice indices, or processes where devices have none (GPU hosts, CPU tests).
+  by_process = not hasattr(devices[0], "slice_index")
+  granules = len({getattr(d, "process_index" if by_process else "slice_index") for d in devices})
+  if granules != dcn:
+    raise ShardingError(f"mesh.dcn_data is {dcn} but the devices form {granules} "
+                        f"{'processes' if by_process else 'slices'}")
+  grid = mesh_utils.create_hybrid_device_mesh((shape[0] // dcn, shape[1], shape[2]), (dcn, 1, 1), devices,
+                                              process_is_granule=by_process)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:

@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llama_jax import checkpoint as checkpoint_lib
@@ -151,7 +153,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, graphdef: nnx.Graph
   grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, params)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
   new_state = dict(state, step=state["step"] + 1, params=optax.apply_updates(params, updates), opt_state=opt_state)
-  metrics = dict(loss=loss_sum / denominator, grad_norm=optax.global_norm(grads), lr=schedule(state["step"]),
+  metrics = dict(loss=loss_sum / denominator, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
                  tokens=weight_sum)
   return new_state, metrics
 
@@ -191,12 +193,23 @@ class Trainer:
     abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    nnx.to_pure_dict(abstract_state), param_shardings)
     replicated = NamedSharding(mesh, PartitionSpec())
-    with sharding.activate(mesh, self.rules):
-      # Optimizer moments take their parameter's sharding by propagation through tx.init.
-      opt_shardings = jax.jit(self.tx.init).lower(abstract_params).compile().output_shardings
+    # Optimizer moments are sharded like their parameters (XLA would replicate the zeros tx.init creates); counts
+    # and other non-parameter fields are replicated.
+    opt_shardings = optax.tree_utils.tree_map_params(
+        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, abstract_params), param_shardings,
+        transform_non_params=lambda _: replicated)
     self.state_shardings = dict(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
     self.batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(
         ("activation_batch", "activation_length"), self.rules))
+    batch_axes = self.batch_sharding.spec[0] or ()
+    batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
+    batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
+    micro_batch = train_cfg.batch_size // train_cfg.grad_accum
+    if micro_batch % batch_shards:
+      raise sharding.ShardingError(
+          f"the batch of {micro_batch} sequences (train.batch_size {train_cfg.batch_size} / grad_accum "
+          f"{train_cfg.grad_accum}) is not divisible by the {batch_shards} batch shards (mesh "
+          f"{'×'.join(f'{a}={mesh.shape[a]}' for a in batch_axes)}); change the batch or the mesh")
     self._train_step = jax.jit(
         functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
                           grad_accum=train_cfg.grad_accum),
@@ -244,27 +257,36 @@ class Trainer:
 # Metrics output
 
 
+def append_line(path: str, line: str) -> None:
+  """Appends one line to a local or remote (gs://) file; object stores cannot append, so those are rewritten whole
+  (metrics files are small)."""
+  if checkpoint_lib.is_remote(path):
+    target = epath.Path(path)
+    target.write_text((target.read_text() if target.exists() else "") + line + "\n")
+    return
+  with open(path, "a") as f:
+    f.write(line + "\n")
+
+
 class MetricsWriter:
   """One line to stdout, metrics.jsonl and TensorBoard events in the workdir; process 0 only."""
 
   def __init__(self, workdir: str, enabled: bool):
     self.enabled = enabled
-    self._jsonl = self._tensorboard = None
+    self._jsonl = os.path.join(workdir, "metrics.jsonl")
+    self._tensorboard = None
     if enabled:
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
       try:
         from tensorboardX import SummaryWriter
         self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      except ImportError:
-        _log.warning("tensorboardX is not installed; no TensorBoard events")
+      except ImportError as e:  # tensorboardX itself, or google-cloud-storage for a gs:// workdir
+        _log.warning("no TensorBoard events: %s", e)
 
   def write(self, step: int, metrics: dict[str, float], prefix: str = "",
             echo: Callable[[str], None] = functools.partial(print, flush=True)):
     if not self.enabled:
       return
-    record = {"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    append_line(self._jsonl, json.dumps({"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}))
     if self._tensorboard is not None:
       for key, value in metrics.items():
         self._tensorboard.add_scalar(f"{prefix}{key}", value, step)
@@ -272,8 +294,6 @@ class MetricsWriter:
     echo(f"step {step:>6d} | " + " | ".join(f"{prefix}{k} {_format(v)}" for k, v in metrics.items()))
 
   def close(self):
-    if self._jsonl:
-      self._jsonl.close()
     if self._tensorboard is not None:
       self._tensorboard.close()
 
@@ -295,11 +315,11 @@ def load_tokenizer_for_run(run_config, workdir: str, texts: Callable[[], Iterato
   if run_config.data.tokenizer:
     return Tokenizer(run_config.data.tokenizer)
   for directory in (workdir, run_config.init_from):
-    if directory and os.path.isfile(os.path.join(directory, checkpoint_lib.TOKENIZER_FILE)):
-      return Tokenizer(os.path.join(directory, checkpoint_lib.TOKENIZER_FILE))
+    if directory and (epath.Path(directory) / checkpoint_lib.TOKENIZER_FILE).is_file():
+      return Tokenizer(checkpoint_lib.local_file(os.path.join(directory, checkpoint_lib.TOKENIZER_FILE)))
   if jax.process_count() > 1:
     raise data_lib.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
-  corpus_dir = os.path.join(workdir, "tokenizer")
+  corpus_dir = checkpoint_lib.local_dir(workdir, "tokenizer")
   os.makedirs(corpus_dir, exist_ok=True)
   corpus = os.path.join(corpus_dir, "corpus.txt")
   has_text = False
@@ -325,7 +345,7 @@ class RunData:
 
 def prepare_run_data(run_config, workdir: str) -> tuple["Tokenizer", RunData]:  # noqa: F821
   data_cfg, train_cfg = run_config.data, run_config.train
-  prepared_dir = data_cfg.prepared_dir or os.path.join(workdir, "data")
+  prepared_dir = data_cfg.prepared_dir or checkpoint_lib.local_dir(workdir, "data")
   if data_cfg.format == "chat":
     def texts():
       for _, messages in data_lib.load_conversations(data_cfg.sources, "skip")[0]:
@@ -372,12 +392,17 @@ def train(run_config, workdir: str) -> dict[str, Any]:
   model_cfg = model_config_from(run_config)
   train_cfg = run_config.train
   is_main = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   checkpointer = checkpoint_lib.TrainCheckpointer(workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every,
                                                   async_save=train_cfg.async_save)
   checkpointer.check_compatible(model_cfg)  # before anything is written to the workdir
 
+  # Process 0 tokenizes first; the others then find its cache where the disk is shared, or prepare their own copy.
+  if not is_main:
+    multihost_utils.sync_global_devices("llama_jax: data prepared by process 0")
   tokenizer, run_data = prepare_run_data(run_config, workdir)
+  if is_main and jax.process_count() > 1:
+    multihost_utils.sync_global_devices("llama_jax: data prepared by process 0")
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise data_lib.DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                              f"{model_cfg.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size}")
@@ -434,7 +459,8 @@ def train(run_config, workdir: str) -> dict[str, Any]:
 
   def evaluate_and_log(step: int) -> dict[str, float]:
     metrics = trainer.evaluate(state["params"], data_lib.eval_batches(
-        run_data.val_examples, train_cfg.batch_size // jax.process_count(), train_cfg.eval_batches), token_bytes)
+        run_data.val_examples, train_cfg.batch_size, train_cfg.eval_batches, jax.process_index(), jax.process_count()),
+        token_bytes)
     if metrics:
       writer.write(step, metrics, prefix="val_", echo=echo)
     return metrics
@@ -486,8 +512,7 @@ def train(run_config, workdir: str) -> dict[str, Any]:
 
 def _record_batch(workdir: str, step: int, batch: dict[str, np.ndarray]) -> None:
   digest = hashlib.sha256(np.ascontiguousarray(batch["inputs"]).tobytes()).hexdigest()[:16]
-  with open(os.path.join(workdir, "batches.jsonl"), "a") as f:
-    f.write(json.dumps({"step": step, "inputs_sha256": digest}) + "\n")
+  append_line(os.path.join(workdir, "batches.jsonl"), json.dumps({"step": step, "inputs_sha256": digest}))
 
 
 class _StopFlag:
@@ -521,6 +546,10 @@ def main(argv=None) -> None:
   config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
   workdir_flag = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, data); default "
                                      "runs/<config name>")
+  coordinator_flag = flags.DEFINE_string("coordinator_address", None, "multi-process runs (e.g. several GPU hosts): "
+                                         "HOST:PORT of process 0; not needed on Cloud TPU slices, SLURM or Open MPI")
+  num_processes_flag = flags.DEFINE_integer("num_processes", None, "multi-process runs: the number of processes")
+  process_id_flag = flags.DEFINE_integer("process_id", None, "multi-process runs: this process's index, from 0")
   flags.mark_flags_as_required(["config"])
 
   def run(_):
@@ -531,6 +560,7 @@ def main(argv=None) -> None:
     config_path = flags.FLAGS["config"].config_filename
     workdir = workdir_flag.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
     try:
+      sharding.maybe_initialize_distributed(coordinator_flag.value, num_processes_flag.value, process_id_flag.value)
       result = train(run_config, workdir)
     except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, sharding.ShardingError,
             TokenizerError) as e:

@@ -43,6 +43,16 @@ def test_accelerator_kernels_fall_back_to_xla_where_they_do_not_apply():
     choose("flash", "cpu")
 
 
+def test_long_sequences_without_an_accelerator_kernel_use_chunked_attention():
+  assert choose("auto", "cpu", q_len=4096, kv_len=4096) == "chunked"
+  assert choose("auto", "gpu", q_len=4096, kv_len=4096, dtype=jnp.float32) == "chunked"
+  assert choose("auto", "tpu", q_len=4096, kv_len=4096) == "splash"
+  assert choose("chunked", "cpu", q_len=1024, kv_len=1024) == "chunked"  # asked for, from 2 chunks on
+  assert choose("chunked", "cpu", q_len=512, kv_len=512) == "xla"  # one chunk: nothing to split
+  assert choose("auto", "cpu", q_len=4000, kv_len=4000) == "xla"  # not a whole number of chunks
+  assert choose("auto", "cpu", q_len=4096, kv_len=4096, has_positions=True) == "xla"
+
+
 def reference_attention(q, k, v, segment_ids=None):
   """Repeats kv heads (the textbook form) to check the grouped einsum that avoids the copy."""
   groups = q.shape[2] // k.shape[2]
@@ -75,6 +85,20 @@ def test_fully_masked_padding_rows_stay_finite():
   out = attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                                 q_positions=positions, kv_positions=positions - 100)
   assert np.isfinite(np.asarray(out)).all()
+
+
+def test_chunked_attention_equals_xla_forward_and_backward_with_segments():
+  q, k, v = random_qkv(length=64, head_dim=16)
+  segment_ids = jnp.asarray([[1] * 40 + [2] * 20 + [0] * 4, [1] * 64])
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+  chunked = lambda q, k, v: attention.chunked_attention(q, k, v, segment_ids=segment_ids, chunk=16)
+  xla = lambda q, k, v: attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  np.testing.assert_allclose(chunked(q, k, v), xla(q, k, v), atol=1e-6)
+  for a, b in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(a, b, atol=2e-5)
 
 
 def test_splash_kernel_in_interpret_mode_equals_xla_with_segments():

@@ -35,7 +35,7 @@ BAD_CONFIGS = [
     (dict(dtype="float8"), "dtype must be one of float32, bfloat16, float16; got 'float8'"),
     (dict(param_dtype="int8"), "param_dtype must be one of float32, bfloat16, float16; got 'int8'"),
     (dict(remat="some"), "remat must be one of none, full, dots, dots_no_batch; got 'some'"),
-    (dict(attention="flash"), "attention must be one of auto, xla, cudnn, splash; got 'flash'"),
+    (dict(attention="flash"), "attention must be one of auto, xla, chunked, cudnn, splash; got 'flash'"),
     (dict(ffn_dim_multiplier=-1.0), "ffn_dim_multiplier must be > 0 or None, got -1.0"),
     (dict(ffn_hidden_dim=0), "ffn_hidden_dim must be a positive integer or None, got 0"),
 ]
@@ -80,13 +80,18 @@ def test_70b_preset_uses_metas_hyper_parameters():
       64, 8, 1.3, 4096, 28672)
 
 
-def test_every_config_file_builds_a_valid_model_config():
+# The devices each config is written for (its docstring names the slice); the rest run anywhere (8 here).
+CONFIG_DEVICES = {"tpu_v4.py": 16, "gpu_h100x8.py": 8, "llama2_13b.py": 32, "llama2_70b.py": 64}
+
+
+def test_every_config_file_builds_a_valid_model_config_and_mesh():
   for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
     if name.endswith(".py"):
       run_config = config_lib.load_run_config(os.path.join(ROOT, "configs", name))
-      config_lib.model_config_from(run_config)
-      sharding.resolve_mesh_shape(run_config.mesh, 16 if name == "tpu_v4.py" else 8 if name != "llama2_70b.py"
-                                  else 64)
+      model = config_lib.model_config_from(run_config)
+      data, fsdp, tensor = sharding.resolve_mesh_shape(run_config.mesh, CONFIG_DEVICES.get(name, 8))
+      assert run_config.train.batch_size % (data * fsdp) == 0, name
+      assert model.n_kv_heads % tensor == 0, name
 
 
 def test_tpu_v4_config_is_7b_on_16_chips():

@@ -1,0 +1,84 @@
+"""Two real JAX processes on one machine (loopback coordinator, 4 simulated CPU devices each) train like one process
+with 8 devices, write one checkpoint together, and a one-process rerun resumes from it."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, needs_shakespeare
+from tests.test_train import MICRO, read_jsonl
+
+pytestmark = needs_shakespeare
+STEPS = ["--config.train.eval_every=0", "--config.train.save_every=100", "--config.train.record_batches=False"]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def train_command(workdir, tokenizer, steps, *extra):
+  return [sys.executable, "-m", "llama_jax.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
+          f"--config.data.tokenizer={tokenizer}", *MICRO, *STEPS, f"--config.train.steps={steps}",
+          "--config.train.batch_size=8", *extra]
+
+
+def env_with_devices(n: int) -> dict:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+  return dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+
+
+def run_one_process(workdir, tokenizer, steps):
+  result = subprocess.run(train_command(workdir, tokenizer, steps), cwd=ROOT, env=env_with_devices(8),
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result
+
+
+def run_two_processes(workdir, tokenizer, steps):
+  address = f"localhost:{free_port()}"
+  procs = [subprocess.Popen(train_command(workdir, tokenizer, steps, f"--coordinator_address={address}",
+                                          "--num_processes=2", f"--process_id={i}"),
+                            cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+           for i in range(2)]
+  outputs = []
+  for proc in procs:
+    try:
+      outputs.append(proc.communicate(timeout=600))
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      raise
+  for proc, (out, err) in zip(procs, outputs):
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+  return outputs
+
+
+def losses(workdir):
+  return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss" in r}
+
+
+def test_two_processes_train_like_one_and_a_single_process_resumes(tmp_path, small_tokenizer):
+  one, two = tmp_path / "one", tmp_path / "two"
+  run_one_process(one, small_tokenizer, 5)
+  (out0, _), (out1, _) = run_two_processes(two, small_tokenizer, 5)
+
+  # Same losses as one process with 8 devices; logs come from process 0 only.
+  assert sorted(losses(two)) == [1, 2, 3, 4, 5]
+  for step, loss in losses(one).items():
+    assert losses(two)[step] == pytest.approx(loss, rel=1e-5), step
+  assert "step      5" in out0 and "step" not in out1
+  # Both processes wrote one checkpoint, at the end.
+  assert sorted(os.listdir(two / "checkpoints")) == ["5"]
+
+  # One process with 8 devices picks up the two-process checkpoint, and continues as the one-process run does.
+  resumed = run_one_process(two, small_tokenizer, 8)
+  assert "steps 5 → 8" in resumed.stdout
+  run_one_process(one, small_tokenizer, 8)
+  for step in (6, 7, 8):
+    assert losses(two)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
