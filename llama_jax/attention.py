@@ -121,6 +121,26 @@ def xla_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids=
   return out_BTKGH.reshape(batch, q_len, n_heads, head_dim)
 
 
+def cached_attention(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, *, q_positions: Array,
+                     kv_positions: Array) -> Array:
+  """Attention of a few new tokens over a KV cache stored [B, K, S, H] (decoding): key s is visible to query t when
+  kv_positions[s] <= q_positions[t]. Written as two batched matrix products with the cache as the right-hand side
+  in its stored layout, so nothing is transposed or copied per step."""
+  batch, q_len, n_heads, head_dim = q_BTNH.shape
+  n_kv_heads = k_BKSH.shape[1]
+  q_BKQH = q_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4).reshape(
+      batch, n_kv_heads, -1, head_dim)  # Q = G·T query rows per kv head, in (g, t) order
+  scores_BKQS = jax.lax.dot_general(q_BKQH, k_BKSH, (((3,), (3,)), ((0, 1), (0, 1))),
+                                    preferred_element_type=jnp.float32) * (1.0 / np.sqrt(head_dim))
+  groups = n_heads // n_kv_heads
+  visible_BQS = jnp.tile(kv_positions[:, None, :] <= q_positions[:, :, None], (1, groups, 1))
+  scores_BKQS = jnp.where(visible_BQS[:, None], scores_BKQS, -0.7 * jnp.finfo(jnp.float32).max)
+  probs_BKQS = jax.nn.softmax(scores_BKQS, axis=-1).astype(v_BKSH.dtype)
+  out_BKQH = jax.lax.dot_general(probs_BKQS, v_BKSH, (((3,), (2,)), ((0, 1), (0, 1))))
+  return out_BKQH.reshape(batch, n_kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(
+      q_BTNH.shape)
+
+
 def chunked_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None,
                       chunk: int = QUERY_CHUNK) -> Array:
   """Causal self-attention in query chunks (T == S, T divisible by `chunk`), each chunk against every key, in a

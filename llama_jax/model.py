@@ -132,12 +132,23 @@ class Attention(nnx.Module):
           q_BTNH, k_BTKH, v_BTKH, q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
           implementation=self.cfg.attention)
     else:
-      k_BSKH = jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), (0, cache.index, 0, 0))
-      v_BSKH = jax.lax.dynamic_update_slice(cache.v, v_BTKH.astype(cache.v.dtype), (0, cache.index, 0, 0))
-      out_BTNH = attention_lib.attention(
-          q_BTNH, k_BSKH.astype(dtype), v_BSKH.astype(dtype), q_positions=positions_BT,
-          kv_positions=cache.positions, implementation=self.cfg.attention)
-      k_BTKH, v_BTKH = k_BSKH, v_BSKH
+      # The T new slots are written in place (the decode loop donates the cache): into the layer's own buffers, or
+      # into the stacked cache, whose layer slice is then read for attention.
+      k_BKTH = k_BTKH.swapaxes(1, 2).astype(cache.k.dtype)
+      v_BKTH = v_BTKH.swapaxes(1, 2).astype(cache.v.dtype)
+      if cache.layer is None:
+        k_BKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH, (0, 0, cache.index, 0))
+        v_BKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH, (0, 0, cache.index, 0))
+        k_BTKH, v_BTKH = k_BKSH, v_BKSH
+      else:
+        start = (cache.layer, 0, 0, cache.index, 0)
+        k_LBKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None], start)
+        v_LBKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None], start)
+        k_BKSH = jax.lax.dynamic_index_in_dim(k_LBKSH, cache.layer, keepdims=False)
+        v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, cache.layer, keepdims=False)
+        k_BTKH, v_BTKH = k_LBKSH, v_LBKSH
+      out_BTNH = attention_lib.cached_attention(q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype),
+                                                q_positions=positions_BT, kv_positions=cache.positions)
     b, t, n, h = out_BTNH.shape
     out_BTD = project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
     return out_BTD, (k_BTKH, v_BTKH)
@@ -185,9 +196,11 @@ EMPTY_POSITION = 2**30
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCache:
-  """One layer's view of the KV cache: k, v [B, S, K, H], slot positions [B, S], next slot to write."""
+  """One layer's view of the KV cache: either the stacked k, v [L, B, K, S, H] and this layer's index in them, or
+  (layer None) the layer's own k, v [B, K, S, H]; slot positions [B, S]; the next slot to write."""
   k: Array
   v: Array
+  layer: Array | int | None
   positions: Array
   index: Array
 
@@ -197,19 +210,28 @@ class LayerCache:
 class KVCache:
   """The decoding cache, an explicit pytree passed in and returned (never module state).
 
-  k, v: [L, B, S, K, H] rotated keys and values of every layer; positions: [B, S] the position of the token in each
-  slot (EMPTY_POSITION where empty or padding); index: int32 scalar, the next slot to write.
+  k, v: rotated keys and values, [L, B, K, S, H] for the stacked model (its layer scan indexes them), or a tuple of
+  L buffers [B, K, S, H] (`per_layer`, for ``Llama(stacked_layers=False)``: each layer then reads and updates its own
+  buffers in place, with no slice copied per step). S is the slot axis; [K, S, H] is the layout the attention
+  products read without a transpose. positions: [B, S] the position of the token in each slot (EMPTY_POSITION where
+  empty or padding); index: int32 scalar, the next slot to write.
   """
-  k: Array
-  v: Array
+  k: Array | tuple[Array, ...]
+  v: Array | tuple[Array, ...]
   positions: Array
   index: Array
 
   @classmethod
-  def empty(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return cls(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype),
-               positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32), index=jnp.zeros((), jnp.int32))
+  def empty(cls, cfg: ModelConfig, batch: int, length: int, per_layer: bool = False) -> "KVCache":
+    shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
+    if per_layer:
+      k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
+      v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
+    else:
+      k = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
+      v = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
+    return cls(k=k, v=v, positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32),
+               index=jnp.zeros((), jnp.int32))
 
 
 _REMAT_POLICIES = {
@@ -220,9 +242,14 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-  """Token embedding → L stacked blocks (run by ``lax.scan``) → final RMSNorm → LM head (tied or not)."""
+  """Token embedding → L stacked blocks (run by ``lax.scan``) → final RMSNorm → LM head (tied or not).
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  `stacked_layers=False` holds the blocks as a list of L separate modules instead (params from `unstack_layers`):
+  the decoding layout, where a step then reads each layer's weights in place rather than slicing them out of the
+  stacked arrays (a copy of every weight per step on XLA:CPU).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
 
@@ -232,7 +259,10 @@ class Llama(nnx.Module):
     def make_layers(rngs: nnx.Rngs) -> Block:
       return Block(cfg, rngs=rngs)
 
-    self.layers = make_layers(rngs)
+    if stacked_layers:
+      self.layers = make_layers(rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
 
@@ -250,6 +280,8 @@ class Llama(nnx.Module):
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     x_BTD = sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+    if isinstance(self.layers, nnx.List):
+      return self._unstacked_forward(x_BTD, positions_BT, segment_ids_BT, cache)
     graphdef, layer_state = nnx.split(self.layers)
 
     if cache is None:
@@ -266,22 +298,54 @@ class Llama(nnx.Module):
           x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
       return self._logits(x_BTD)
 
-    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT,
-                                                                        EMPTY_POSITION)
-    slot_positions = jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
+    if isinstance(cache.k, (tuple, list)):
+      raise ValueError("a per-layer KV cache needs Llama(stacked_layers=False); the stacked model scans a stacked "
+                       "cache (KVCache.empty(..., per_layer=False))")
+    slot_positions = self._slot_positions(positions_BT, segment_ids_BT, cache)
 
-    def run_cached_layer(h_BTD, layer):
-      # Each layer's cache slice comes in as a scan input and leaves as a scan output with the T new slots written.
-      one_layer_state, k_BSKH, v_BSKH = layer
+    def run_cached_layer(carry, layer):
+      # The whole stacked cache rides in the carry, so each layer writes only its T new slots (scan inputs and
+      # outputs would copy a layer's whole cache in and out every step).
+      h_BTD, k_all, v_all = carry
+      one_layer_state, index = layer
       block = nnx.merge(graphdef, one_layer_state, copy=True)
-      layer_cache = LayerCache(k=k_BSKH, v=v_BSKH, positions=slot_positions, index=cache.index)
-      h_BTD, updated_kv = block(h_BTD, positions_BT, segment_ids_BT, layer_cache)
-      return h_BTD, updated_kv
+      layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
+      h_BTD, (k_all, v_all) = block(h_BTD, positions_BT, segment_ids_BT, layer_cache)
+      return (h_BTD, k_all, v_all), None
 
-    # Decoding always scans: each layer's cache slice is a scan input and its updated slice a scan output.
-    x_BTD, (k_all, v_all) = jax.lax.scan(run_cached_layer, x_BTD, (layer_state, cache.k, cache.v))
+    (x_BTD, k_all, v_all), _ = jax.lax.scan(run_cached_layer, (x_BTD, cache.k, cache.v),
+                                            (layer_state, jnp.arange(cfg.n_layers)))
     new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
     return self._logits(x_BTD), new_cache
+
+  def _unstacked_forward(self, x_BTD, positions_BT, segment_ids_BT, cache):
+    """The layers as L separate blocks in a Python loop (no remat: this layout is for decoding)."""
+    if cache is None:
+      for block in self.layers:
+        x_BTD = block(x_BTD, positions_BT, segment_ids_BT)[0]
+      return self._logits(x_BTD)
+    slot_positions = self._slot_positions(positions_BT, segment_ids_BT, cache)
+    per_layer = isinstance(cache.k, (tuple, list))
+    k_all, v_all = (list(cache.k), list(cache.v)) if per_layer else (cache.k, cache.v)
+    for index, block in enumerate(self.layers):
+      if per_layer:
+        layer_cache = LayerCache(k=k_all[index], v=v_all[index], layer=None, positions=slot_positions,
+                                 index=cache.index)
+        x_BTD, (k_all[index], v_all[index]) = block(x_BTD, positions_BT, segment_ids_BT, layer_cache)
+      else:
+        layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
+        x_BTD, (k_all, v_all) = block(x_BTD, positions_BT, segment_ids_BT, layer_cache)
+    if per_layer:
+      k_all, v_all = tuple(k_all), tuple(v_all)
+    new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + x_BTD.shape[1])
+    return self._logits(x_BTD), new_cache
+
+  @staticmethod
+  def _slot_positions(positions_BT, segment_ids_BT, cache: KVCache) -> Array:
+    """The cache's slot positions with this call's T tokens written at the cache index (padding stored as empty)."""
+    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT,
+                                                                        EMPTY_POSITION)
+    return jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
 
   def _logits(self, x_BTD: Array) -> Array:
     x_BTD = self.final_norm(x_BTD)
@@ -289,3 +353,9 @@ class Llama(nnx.Module):
     head_DV = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     logits_BTV = project(x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)  # BTD,DV->BTV
     return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def unstack_layers(params: dict) -> dict:
+  """Pure-dict params of a stacked Llama → those of ``Llama(cfg, stacked_layers=False)`` (one dict per layer)."""
+  n_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+  return dict(params, layers={i: jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n_layers)})

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from llama_jax.config import ModelConfig
-from llama_jax.model import KVCache, Llama
+from llama_jax.model import KVCache, Llama, unstack_layers
 
 MIN_BUCKET = 16
 
@@ -140,9 +140,10 @@ class Sampler:
   """Compiled prefill and decode for one model; compiled programs are cached per (batch, bucket, sampling, length)."""
 
   def __init__(self, cfg: ModelConfig, params: Any, eos_id: int, pad_id: int | None = None):
-    self.cfg, self.params, self.eos_id = cfg, params, eos_id
+    # Decoding runs the layers as separate modules, each reading its own weight buffers in place.
+    self.cfg, self.params, self.eos_id = cfg, unstack_layers(params), eos_id
     self.pad_id = eos_id if pad_id is None or pad_id < 0 else pad_id
-    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
 
   @functools.lru_cache(maxsize=32)
   def _compiled(self, sampling: SamplingConfig, max_new_tokens: int, stop_ids: tuple[int, ...]):
@@ -168,7 +169,7 @@ class Sampler:
     for row, prompt in enumerate(prompts):
       padded[row, :len(prompt)] = prompt
     prefill_fn, decode_fn = self._compiled(sampling, max_new_tokens, stops)
-    cache = KVCache.empty(self.cfg, len(prompts), bucket + max_new_tokens)
+    cache = KVCache.empty(self.cfg, len(prompts), bucket + max_new_tokens, per_layer=True)
     state = prefill_fn(self.params, jnp.asarray(padded), jnp.asarray(lengths), cache, jax.random.key(seed))
     emitted = 0
     while True:

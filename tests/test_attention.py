@@ -78,6 +78,18 @@ def test_positional_mask_equals_index_causal_mask_for_self_attention():
                              attention.xla_attention(q, k, v), atol=1e-6)
 
 
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_cached_attention_over_a_k_s_h_cache_equals_the_positional_xla_kernel(n_kv_heads):
+  q, k, v = random_qkv(length=24, n_kv_heads=n_kv_heads)
+  q = q[:, :3]  # three new tokens against 24 slots, some of them empty (position far in the future)
+  q_positions = jnp.asarray([[10, 11, 12], [5, 6, 7]])
+  kv_positions = jnp.asarray([list(range(13)) + [2**30] * 11, list(range(8)) + [2**30] * 16])
+  expected = attention.xla_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions)
+  got = attention.cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_positions=q_positions,
+                                   kv_positions=kv_positions)
+  np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
 def test_fully_masked_padding_rows_stay_finite():
   q, k, v = random_qkv(length=16)
   segment_ids = jnp.asarray([[1] * 8 + [0] * 8, [1] * 16])

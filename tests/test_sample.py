@@ -14,7 +14,7 @@ from flax import nnx
 
 from llama_jax import checkpoint, convert
 from llama_jax.config import ModelConfig
-from llama_jax.model import KVCache, Llama
+from llama_jax.model import KVCache, Llama, unstack_layers
 from llama_jax.sample import Sampler, SamplingConfig, SampleError, filter_logits, next_token
 from tests import hf_utils
 from tests.conftest import ROOT
@@ -29,19 +29,35 @@ def random_params(cfg, seed=0):
   return nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(seed))))
 
 
+@pytest.mark.parametrize("layout", ["stacked", "unstacked_per_layer_cache", "unstacked_stacked_cache"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_cached_decoding_logits_equal_one_full_forward(name):
+def test_cached_decoding_logits_equal_one_full_forward(name, layout):
+  """The stacked model (layer scan, stacked cache) and the decoding layout (separate layers, per-layer cache
+  buffers, as the Sampler runs it) against one full forward of the stacked model."""
   cfg = CONFIGS[name]
-  model = Llama(cfg, rngs=nnx.Rngs(1))
+  stacked = Llama(cfg, rngs=nnx.Rngs(1))
+  model = stacked
+  if layout != "stacked":
+    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False))),
+                      unstack_layers(nnx.to_pure_dict(nnx.state(stacked))))
   tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 40)))
-  full = np.asarray(jax.jit(lambda t: model(t))(tokens))
+  full = np.asarray(jax.jit(lambda t: stacked(t))(tokens))
+  if layout != "stacked":
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda t: model(t))(tokens)), full, atol=1e-5, rtol=0)
   step = jax.jit(lambda t, p, c: model(t, p, cache=c))
-  logits, cache = step(tokens[:, :9], None, KVCache.empty(cfg, 2, 48))  # a prompt of 9, then one token at a time
+  cache = KVCache.empty(cfg, 2, 48, per_layer=layout == "unstacked_per_layer_cache")
+  logits, cache = step(tokens[:, :9], None, cache)  # a prompt of 9, then one token at a time
   got = [np.asarray(logits)]
   for t in range(9, 40):
     logits, cache = step(tokens[:, t:t + 1], jnp.full((2, 1), t, jnp.int32), cache)
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=1e-5, rtol=0)
+
+
+def test_stacked_model_refuses_a_per_layer_cache():
+  cfg = CONFIGS["mha"]
+  with pytest.raises(ValueError, match=r"a per-layer KV cache needs Llama\(stacked_layers=False\)"):
+    Llama(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 1), jnp.int32), cache=KVCache.empty(cfg, 1, 8, per_layer=True))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
