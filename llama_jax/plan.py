@@ -6,7 +6,8 @@ Nothing is allocated: the state and batch are abstract (shapes, dtypes and shard
 compiled by XLA's CPU backend for `--devices` CPU devices, and the compiled memory analysis gives per-device bytes.
 Those are the CPU compiler's figures: a TPU or GPU compiler fuses and schedules differently, so temporaries are an
 estimate (parameter and optimizer bytes are exact). Attention kernels that exist only on accelerators (splash,
-cudnn) are modelled by the "chunked" XLA attention, whose memory also grows with T·chunk rather than T².
+cudnn) are modelled by the "chunked" XLA attention, whose memory (rematerialised from 2048 tokens) also grows with
+T·chunk rather than T².
 """
 
 from __future__ import annotations
@@ -69,8 +70,7 @@ def model_config_for_plan(model_cfg, backend: str, seq_len: int):
   from llama_jax import attention as attention_lib
 
   if backend == "cpu" and model_cfg.attention in ("auto", "splash", "cudnn"):
-    chunkable = seq_len % attention_lib.QUERY_CHUNK == 0 and seq_len > attention_lib.QUERY_CHUNK
-    return model_cfg.replace(attention="chunked" if chunkable else "xla")
+    return model_cfg.replace(attention="chunked" if attention_lib.chunk_size(seq_len) else "xla")
   return model_cfg
 
 

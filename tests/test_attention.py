@@ -24,31 +24,31 @@ def choose(requested, backend, **overrides):
 
 
 def test_selection_by_backend():
-  assert choose("auto", "cpu") == "xla"
+  assert choose("auto", "cpu") == "chunked"
   assert choose("auto", "gpu") == "cudnn"
   assert choose("auto", "tpu") == "splash"
   assert choose("xla", "gpu") == "xla" and choose("xla", "tpu") == "xla"
 
 
 def test_accelerator_kernels_fall_back_to_xla_where_they_do_not_apply():
-  assert choose("cudnn", "cpu") == "xla"  # explicit request on the wrong backend never breaks CPU
-  assert choose("splash", "cpu") == "xla"
-  assert choose("auto", "gpu", dtype=jnp.float32) == "xla"  # cudnn flash attention is half precision only
-  assert choose("auto", "gpu", head_dim=256) == "xla"
-  assert choose("auto", "gpu", has_segment_ids=True) == "xla"
-  assert choose("auto", "tpu", q_len=100, kv_len=100) == "xla"  # splash tiles by 128
+  assert choose("cudnn", "cpu") == "chunked"  # explicit request on the wrong backend never breaks CPU
+  assert choose("splash", "cpu", q_len=100, kv_len=100) == "xla"
+  assert choose("auto", "gpu", dtype=jnp.float32) == "chunked"  # cudnn flash attention is half precision only
+  assert choose("auto", "gpu", head_dim=256) == "chunked"
+  assert choose("auto", "gpu", has_segment_ids=True) == "chunked"
+  assert choose("auto", "tpu", q_len=100, kv_len=100) == "xla"  # splash tiles by 128; 100 is no whole chunk count
   assert choose("auto", "tpu", has_positions=True) == "xla"  # decoding against a cache: positional mask
   assert choose("auto", "gpu", has_positions=True) == "xla"
   with pytest.raises(ValueError, match="attention implementation must be one of"):
     choose("flash", "cpu")
 
 
-def test_long_sequences_without_an_accelerator_kernel_use_chunked_attention():
+def test_chunked_attention_where_the_length_splits_into_chunks():
+  assert [attention.chunk_size(n) for n in (64, 128, 512, 1024, 2048, 4096, 100, 4000)] == [
+      None, 64, 64, 64, 128, 256, None, None]
   assert choose("auto", "cpu", q_len=4096, kv_len=4096) == "chunked"
-  assert choose("auto", "gpu", q_len=4096, kv_len=4096, dtype=jnp.float32) == "chunked"
   assert choose("auto", "tpu", q_len=4096, kv_len=4096) == "splash"
-  assert choose("chunked", "cpu", q_len=1024, kv_len=1024) == "chunked"  # asked for, from 2 chunks on
-  assert choose("chunked", "cpu", q_len=512, kv_len=512) == "xla"  # one chunk: nothing to split
+  assert choose("chunked", "cpu", q_len=64, kv_len=64) == "xla"  # one chunk: nothing to split
   assert choose("auto", "cpu", q_len=4000, kv_len=4000) == "xla"  # not a whole number of chunks
   assert choose("auto", "cpu", q_len=4096, kv_len=4096, has_positions=True) == "xla"
 
@@ -99,14 +99,15 @@ def test_fully_masked_padding_rows_stay_finite():
   assert np.isfinite(np.asarray(out)).all()
 
 
-def test_chunked_attention_equals_xla_forward_and_backward_with_segments():
+@pytest.mark.parametrize("remat", [False, True])
+def test_chunked_attention_equals_xla_forward_and_backward_with_segments(remat):
   q, k, v = random_qkv(length=64, head_dim=16)
   segment_ids = jnp.asarray([[1] * 40 + [2] * 20 + [0] * 4, [1] * 64])
 
   def loss(fn):
     return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
 
-  chunked = lambda q, k, v: attention.chunked_attention(q, k, v, segment_ids=segment_ids, chunk=16)
+  chunked = lambda q, k, v: attention.chunked_attention(q, k, v, segment_ids=segment_ids, chunk=16, remat=remat)
   xla = lambda q, k, v: attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
   np.testing.assert_allclose(chunked(q, k, v), xla(q, k, v), atol=1e-6)
   for a, b in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
