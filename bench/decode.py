@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -26,6 +25,7 @@ from llama_jax import convert
 from llama_jax.config import ModelConfig
 from llama_jax.model import Llama
 from llama_jax.sample import Sampler
+from timing import median_seconds
 
 SHAPES = {
     "stories15M": ModelConfig(vocab_size=32000, dim=288, n_layers=6, n_heads=6, n_kv_heads=6, multiple_of=32,
@@ -48,15 +48,6 @@ def copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
   return 2 * n_bytes / best
 
 
-def median_time(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)))))
   hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(
@@ -75,7 +66,7 @@ def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int
     start = time.perf_counter()
     generate()
     first = time.perf_counter() - start
-    jax_time = median_time(generate, repeats)
+    jax_time = median_seconds(generate, repeats)
     inputs = torch.tensor(prompts)
 
     def hf_generate():
@@ -84,7 +75,7 @@ def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
     hf_generate()
-    hf_time = median_time(hf_generate, repeats)
+    hf_time = median_seconds(hf_generate, repeats)
     rows.append(dict(shape=name, batch=batch, new_tokens=new_tokens, jax_tokens_per_s=batch * new_tokens / jax_time,
                      hf_tokens_per_s=batch * new_tokens / hf_time, ratio=hf_time / jax_time,
                      compile_s=first - jax_time, step_mb=step_bytes / 1e6))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -28,23 +27,13 @@ from llama_jax import config as config_lib
 from llama_jax import sharding, train
 from llama_jax.model import Llama
 from llama_jax.sample import Sampler
+from timing import median_seconds
 
 # TinyLlama 1.1B: 22 layers, GQA 32/4 heads, MLP 5632.
 TRAIN_1B = dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden_dim=5632)
 DECODE_7B = dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, multiple_of=256)
 SMOKE_TRAIN = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128)
 SMOKE_DECODE = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32)
-
-
-def median_seconds(fn, warmup: int, repeats: int) -> float:
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def copy_bandwidth(n_bytes: int) -> float:

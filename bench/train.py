@@ -38,6 +38,7 @@ import transformers
 
 from llama_jax import config as config_lib
 from llama_jax import convert, sharding, train
+from timing import step_times
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP_NORM = 3e-4, 0.9, 0.95, 1e-8, 0.1, 1.0
 
@@ -73,13 +74,7 @@ QUICK_SHAPES = {
 
 def time_steps(step: Callable[[], Any], warmup: int, steps: int) -> dict[str, Any]:
   """Runs `warmup` untimed steps, then `steps` timed ones; `step` must return only once its work is done."""
-  for _ in range(warmup):
-    step()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
+  times = step_times(step, steps, warmup)
   return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times), times_s=times)
 
 

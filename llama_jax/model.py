@@ -117,8 +117,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None,
                cache: LayerCache | None = None) -> tuple[Array, tuple[Array, Array]]:
     """Output [B, T, D] and keys/values: without a cache, this call's rotated keys and values [B, T, K, H], the
-    queries attending over this call's tokens only; with one, the layer's cache [B, S, K, H] with the new keys and
-    values placed at slot `cache.index`, the queries attending over every filled slot by position (decoding)."""
+    queries attending over this call's tokens only; with one, the updated cache k, v (the layer's own [B, K, S, H]
+    buffers, or the stacked [L, B, K, S, H] ones) with the new keys and values at slot `cache.index`, the queries
+    attending over every filled slot by position (decoding)."""
     dtype = x_BTD.dtype
     q_BTNH = project(x_BTD, self.wq[...].astype(dtype))  # BTD,DNH->BTNH
     k_BTKH = project(x_BTD, self.wk[...].astype(dtype))  # BTD,DKH->BTKH
@@ -131,6 +132,7 @@ class Attention(nnx.Module):
       out_BTNH = attention_lib.attention(
           q_BTNH, k_BTKH, v_BTKH, q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
           implementation=self.cfg.attention)
+      new_kv = (k_BTKH, v_BTKH)
     else:
       # The T new slots are written in place (the decode loop donates the cache): into the layer's own buffers, or
       # into the stacked cache, whose layer slice is then read for attention.
@@ -139,19 +141,19 @@ class Attention(nnx.Module):
       if cache.layer is None:
         k_BKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH, (0, 0, cache.index, 0))
         v_BKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH, (0, 0, cache.index, 0))
-        k_BTKH, v_BTKH = k_BKSH, v_BKSH
+        new_kv = (k_BKSH, v_BKSH)
       else:
         start = (cache.layer, 0, 0, cache.index, 0)
         k_LBKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None], start)
         v_LBKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None], start)
         k_BKSH = jax.lax.dynamic_index_in_dim(k_LBKSH, cache.layer, keepdims=False)
         v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, cache.layer, keepdims=False)
-        k_BTKH, v_BTKH = k_LBKSH, v_LBKSH
+        new_kv = (k_LBKSH, v_LBKSH)
       out_BTNH = attention_lib.cached_attention(q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype),
                                                 q_positions=positions_BT, kv_positions=cache.positions)
     b, t, n, h = out_BTNH.shape
     out_BTD = project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
-    return out_BTD, (k_BTKH, v_BTKH)
+    return out_BTD, new_kv
 
 
 class MLP(nnx.Module):

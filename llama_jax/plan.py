@@ -19,6 +19,15 @@ import sys
 import time
 from typing import Any
 
+import jax
+import numpy as np
+
+from llama_jax import attention as attention_lib
+from llama_jax import sharding
+from llama_jax.config import ConfigError, model_config_from, parse_flags_or_exit, run_config_from_flag_or_exit
+from llama_jax.data import SFT_KEYS
+from llama_jax.train import Trainer, flops_per_token
+
 GIB = 2**30
 # HBM per chip / GPU, GiB.
 HBM_GIB = {"TPU v4": 32, "TPU v5e": 16, "TPU v5p": 95, "H100": 80, "H200": 141}
@@ -53,22 +62,15 @@ class Plan:
 def _device_bytes(abstract_tree: Any) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard of each array)."""
   total = 0
-  for leaf in _leaves(abstract_tree):
+  for leaf in jax.tree.leaves(abstract_tree):
     shard_shape = leaf.sharding.shard_shape(leaf.shape)
     total += math.prod(shard_shape) * leaf.dtype.itemsize
   return total
 
 
-def _leaves(tree: Any) -> list:
-  import jax
-  return jax.tree.leaves(tree)
-
-
 def model_config_for_plan(model_cfg, backend: str, seq_len: int):
   """The model as it will be compiled here: accelerator-only attention kernels are modelled by "chunked" (the XLA
   kernel where the sequence is too short to chunk)."""
-  from llama_jax import attention as attention_lib
-
   if backend == "cpu" and model_cfg.attention in ("auto", "splash", "cudnn"):
     return model_cfg.replace(attention="chunked" if attention_lib.chunk_size(seq_len) else "xla")
   return model_cfg
@@ -76,15 +78,6 @@ def model_config_for_plan(model_cfg, backend: str, seq_len: int):
 
 def plan(run_config, devices=None) -> Plan:
   """Compiles the train step of `run_config` over `devices` (default: all) without allocating the state."""
-  import jax
-  import numpy as np
-
-  from llama_jax import attention as attention_lib
-  from llama_jax import sharding
-  from llama_jax.config import model_config_from
-  from llama_jax.data import SFT_KEYS
-  from llama_jax.train import Trainer, flops_per_token
-
   start = time.perf_counter()
   devices = list(jax.devices() if devices is None else devices)
   model_cfg = model_config_for_plan(model_config_from(run_config), jax.default_backend(),
@@ -147,8 +140,6 @@ def main(argv=None) -> None:
   from absl import app, flags
   from ml_collections import config_flags
 
-  from llama_jax.config import parse_flags_or_exit
-
   config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tpu_v4.py")
   devices_flag = flags.DEFINE_integer("devices", None, "simulated devices (the chips or GPUs of the target)")
   hbm_flag = flags.DEFINE_float("hbm_gib", None, "also check against this much memory per device (GiB)")
@@ -156,11 +147,6 @@ def main(argv=None) -> None:
   flags.mark_flags_as_required(["config", "devices"])
 
   def run(_):
-    import jax
-
-    from llama_jax import sharding
-    from llama_jax.config import ConfigError, run_config_from_flag_or_exit
-
     if devices_flag.value < 1:
       print(f"error: --devices must be a positive integer, got {devices_flag.value}", file=sys.stderr)
       sys.exit(2)

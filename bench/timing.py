@@ -1,0 +1,24 @@
+"""The timer the benchmark scripts share (run as `python bench/<name>.py`, which puts bench/ on the path)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+
+def step_times(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
+  """Wall times of `repeats` calls of `fn` after `warmup` untimed ones; `fn` must return once its work is done
+  (block on JAX results inside it)."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
+  return statistics.median(step_times(fn, repeats, warmup))
