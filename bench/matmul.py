@@ -3,8 +3,8 @@
     python bench/matmul.py [--shapes 8x512x1536,1x288x32000] [--mbytes 96] [--repeats 7] [--json F]
 
 Each shape MxKxN is x[M, K] · w[K, N] as a decode step runs it: a chain of products over distinct weight matrices
-(together at least `--mbytes`, so they come from memory, not cache), each product's input depending on the previous
-one. llama_jax's way: one jitted `fori_loop` over the chain (no dispatch per product); also with each weight split
+(together at least `--mbytes`, so they come from memory, not cache), each product's input depending on all of the
+previous product's output (a product whose output went unused would be removed by XLA). llama_jax's way: one jitted `fori_loop` over the chain (no dispatch per product); also with each weight split
 into two column blocks held as separate buffers (two independent products, which XLA:CPU can run on two cores at
 once). torch: `F.linear` over the same chain, 2 threads. Time per product, median of `--repeats`.
 """
