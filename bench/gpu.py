@@ -4,8 +4,8 @@
     python bench/gpu.py --smoke         # toy shapes on any backend, to check the script end to end
 
 Training: the real ``Trainer.train_step`` (bfloat16 compute, float32 parameters and AdamW moments, state donated) of
-a TinyLlama-1.1B-shaped model at 2048 tokens per sequence, one device; MFU = model FLOPs per token (``train.
-flops_per_token``) × tokens/s ÷ the device's dense bf16 peak (``train.PEAK_FLOPS_BY_DEVICE_KIND``). Target ≥ 55%.
+a TinyLlama-1.1B-shaped model at 2048 tokens per sequence, one device; MFU = model FLOPs per token (``flops.
+flops_per_token``) × tokens/s ÷ the device's dense bf16 peak (``flops.PEAK_FLOPS_BY_DEVICE_KIND``). Target ≥ 55%.
 
 Decoding: the library's ``Sampler`` (jitted prefill + one while_loop, per-layer KV cache) on a LLaMA-2-7B-shaped model
 stored in bfloat16, greedy, 16-token prompts, at batch 1 and 32. The batch-1 bound is the device's measured copy
@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from llama_jax import config as config_lib
-from llama_jax import sharding, train
+from llama_jax import flops, sharding, train
 from llama_jax.model import Llama
 from llama_jax.sample import Sampler
 from timing import median_seconds
@@ -65,10 +65,10 @@ def bench_train(model: dict, batch: int, seq_len: int, remat: str, steps: int) -
   compile_s = time.perf_counter() - start
   seconds = median_seconds(step, warmup=2, repeats=steps)
   tokens_per_s = batch * seq_len / seconds
-  peak = train.peak_flops_per_device(0.0)
+  peak = flops.peak_flops_per_device(0.0)
   return dict(params=model_cfg.num_params(), batch=batch, seq_len=seq_len, remat=remat,
               attention=model_cfg.attention, step_s=seconds, tokens_per_s=tokens_per_s, compile_s=compile_s,
-              mfu=train.flops_per_token(model_cfg, seq_len) * tokens_per_s / peak, peak_flops=peak)
+              mfu=flops.flops_per_token(model_cfg, seq_len) * tokens_per_s / peak, peak_flops=peak)
 
 
 def bench_decode(model: dict, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:

@@ -10,7 +10,7 @@ parameters. HF uses ``attn_implementation="sdpa"`` (torch's fastest CPU attentio
 
 Throughput is tokens per step over the median step time after warm-up; each step is waited for (the torch step is
 synchronous, so the JAX one is too). The JAX compile time is reported apart. MFU counts
-``train.flops_per_token`` against the best float32 matmul this machine managed, measured in both JAX and torch.
+``flops.flops_per_token`` against the best float32 matmul this machine managed, measured in both JAX and torch.
 
 Measure on an otherwise idle machine: other load costs torch's OpenMP threads far more than XLA's thread pool (on a
 busy 2-core machine a 2-thread torch matmul ran 20× slower than a 1-thread one), so a busy machine flatters JAX.
@@ -37,7 +37,7 @@ import torch
 import transformers
 
 from llama_jax import config as config_lib
-from llama_jax import convert, sharding, train
+from llama_jax import convert, flops, sharding, train
 from timing import step_times
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP_NORM = 3e-4, 0.9, 0.95, 1e-8, 0.1, 1.0
@@ -96,7 +96,7 @@ def matmul_peaks(size: int) -> dict[str, float]:
   b = jnp.ones((size, size), jnp.bfloat16)
   matmul = jax.jit(lambda x: x @ x)
   jax_bf16 = 2 * size**3 / _best_seconds(lambda: matmul(b).block_until_ready(), repeats=5)
-  return dict(jax_f32=train.measured_matmul_flops(size), torch_f32=torch_f32, jax_bf16=jax_bf16)
+  return dict(jax_f32=flops.measured_matmul_flops(size), torch_f32=torch_f32, jax_bf16=jax_bf16)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -125,8 +125,7 @@ def bench_jax(shape: Shape, dtype: str, remat: str, inputs: np.ndarray, targets:
   jax.block_until_ready((state, batch))
 
   start = time.perf_counter()
-  with sharding.activate(mesh, trainer.rules):
-    trainer._train_step.lower(state, batch).compile()
+  trainer.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
 
   losses = []
@@ -184,7 +183,7 @@ def bench_shape(shape: Shape, warmup: int, steps: int, peak: float, remat: str) 
   window = rng.integers(0, model_cfg.vocab_size, (shape.batch_size, shape.seq_len + 1), dtype=np.int32)
   inputs, targets = window[:, :-1], window[:, 1:]
   tokens = shape.batch_size * shape.seq_len
-  flops_per_token = train.flops_per_token(model_cfg, shape.seq_len)
+  flops_per_token = flops.flops_per_token(model_cfg, shape.seq_len)
 
   runs = {}
   for name, run in (("torch", lambda: bench_torch(shape, inputs, targets, warmup, steps)),

@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from llama_jax.errors import LlamaJaxError
+
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 ROLES = ("system", "user", "assistant")
 
 
-class ConversationError(ValueError):
+class ConversationError(LlamaJaxError, ValueError):
   """A conversation that does not follow the chat format; the message says what is wrong."""
 
 

@@ -27,17 +27,17 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import nnx
 
 from llama_jax.config import ModelConfig
+from llama_jax.errors import LlamaJaxError
+from llama_jax.tokenizer import TOKENIZER_FILE
 
 CONFIG_FILE = "model_config.json"
 RUN_CONFIG_FILE = "run_config.json"
-TOKENIZER_FILE = "tokenizer.model"
 STEPS_DIR = "checkpoints"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LlamaJaxError, ValueError):
   """A checkpoint directory is missing, incomplete or does not match; the message names the path."""
 
 
@@ -105,17 +105,6 @@ def read_model_config(directory: str) -> ModelConfig:
   return ModelConfig.from_dict(json.loads(path.read_text()))
 
 
-def abstract_params(cfg: ModelConfig, shardings: Any = None) -> Any:
-  """The params tree as ShapeDtypeStructs (optionally with shardings), as restore targets."""
-  from llama_jax.model import Llama  # model imports sharding; keep this module importable without it
-
-  abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-  tree = nnx.to_pure_dict(nnx.state(abstract))
-  if shardings is None:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
 def load_params(directory: str, step: int | None = None, shardings: Any = None) -> tuple[ModelConfig, Any]:
   """(model config, params) of the latest (or given) complete step of a checkpoint directory."""
   cfg = read_model_config(directory)
@@ -126,11 +115,15 @@ def load_params(directory: str, step: int | None = None, shardings: Any = None) 
   step = max(steps) if step is None else step
   if step not in steps:
     raise CheckpointError(f"checkpoint directory {directory!r} has no step {step}; it has {sorted(steps)}")
+  from llama_jax import sharding  # checkpoint sits below the model; the restore target needs its shapes
+  from llama_jax.model import Llama
+
+  _, target = sharding.abstract_params(Llama, cfg)
   if shardings is None:
     # Without shardings orbax would need the saving topology; place everything on the first local device.
     device = jax.local_devices()[0]
-    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), abstract_params(cfg))
-  target = abstract_params(cfg, shardings)
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), target)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
   restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
   manager.close()
   return cfg, restored["params"]
@@ -139,6 +132,15 @@ def load_params(directory: str, step: int | None = None, shardings: Any = None) 
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
   return [f"{name} {getattr(saved, name)} → {getattr(current, name)}" for name in SHAPE_FIELDS
           if getattr(saved, name) != getattr(current, name)]
+
+
+def load_init_params(init_from: str, model_cfg: ModelConfig, shardings: Any) -> Any:
+  """Parameters (only) of another checkpoint directory to start a run from, refused unless the shapes match."""
+  differences = shape_differences(read_model_config(init_from), model_cfg)
+  if differences:
+    raise CheckpointError(f"init_from {init_from!r} holds a different model ({', '.join(differences)}); its model "
+                          f"config must match this run's")
+  return load_params(init_from, shardings=shardings)[1]
 
 
 class TrainCheckpointer:
@@ -191,9 +193,6 @@ class TrainCheckpointer:
         params=ocp.args.StandardRestore(abstract_state["params"]), train=ocp.args.StandardRestore(abstract_train),
         data=ocp.args.JsonRestore()))
     return {"params": restored["params"], **restored["train"]}, restored["data"]
-
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.wait_until_finished()

@@ -1,23 +1,39 @@
-"""Model configuration: one frozen, hashable dataclass, validated when it is built.
+"""Configuration in two layers: what a user writes, and the typed config the code reads.
 
-The run config (an ml_collections ConfigDict from ``configs/<name>.py``) holds everything about a run; the model only
-ever sees the ``ModelConfig`` built from its ``model`` field, which is safe to pass as a static argument to ``jax.jit``.
+- A run config file ``configs/<name>.py`` returns an ml_collections ``ConfigDict`` from ``get_config()``, built on
+  ``base_run_config()``; absl's ``config_flags`` applies ``--config.train.lr=1e-3`` overrides to it. That layer is for
+  writing and composing configs (7B = base + sizes), not for checking them.
+- ``RunConfig.from_dict`` turns it into frozen dataclasses, one per section (``ModelConfig``, ``TrainConfig``,
+  ``DataConfig``, ``MeshConfig``), and that is the one place where values are checked: unknown keys (a typo in a
+  file or an override, with the closest valid key), types, ranges and the rules between fields. Every command builds
+  the ``RunConfig`` before it writes anything; the library takes the typed config (or converts a ConfigDict itself).
+
+The defaults live once, in the dataclasses; ``base_run_config()`` is made from them. The model only ever sees its
+``ModelConfig``, which is hashable and safe as a static argument to ``jax.jit``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
+import os
+import typing
 from typing import Any, Mapping
+
+from llama_jax.errors import LlamaJaxError
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
+DATA_FORMATS = ("text", "chat")
+ON_ERROR = ("skip", "stop")
+MESH_AXES = ("data", "fsdp", "tensor")
 
 
-class ConfigError(ValueError):
+class ConfigError(LlamaJaxError, ValueError):
   """A configuration value is out of range; the message names the field and the value."""
 
 
@@ -52,6 +68,8 @@ class ModelConfig:
   def __post_init__(self):
     if self.n_kv_heads is None:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
+    for name in ("tie_embeddings", "scan_layers"):
+      _check_type(self, "", name)
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_seq_len",
                  "rope_original_max_len"):
       value = getattr(self, name)
@@ -121,7 +139,8 @@ class ModelConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-      raise ConfigError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
+      raise ConfigError(f"unknown model config keys {unknown}{_did_you_mean('model', unknown[0], known)}; known "
+                        f"keys: {sorted(known)}")
     return cls(**values)
 
 
@@ -131,11 +150,198 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def model_config_from(run_config: Any) -> ModelConfig:
-  """The ModelConfig of a run config (ConfigDict with a ``model`` field) or of a plain mapping."""
+  """The ModelConfig of a run config (RunConfig, ConfigDict with a ``model`` field) or of a plain mapping."""
   model = run_config.model if hasattr(run_config, "model") else run_config
+  if isinstance(model, ModelConfig):
+    return model
   if hasattr(model, "to_dict"):
     model = model.to_dict()
   return ModelConfig.from_dict(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run config: one frozen dataclass per section, checked when built
+
+
+def _did_you_mean(section: str, key: str, known) -> str:
+  close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+  prefix = f"{section}." if section else ""
+  return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _type_name(annotation: Any) -> str:
+  return {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[annotation]
+
+
+def _check_type(config: Any, section: str, name: str) -> None:
+  """Checks one field against its annotation (int, float, bool, str, tuple[str|int, ...]); normalises ints given
+  for floats and lists given for tuples (JSON has no tuples), so equal configs compare and hash equal."""
+  annotation = typing.get_type_hints(type(config))[name]
+  value = getattr(config, name)
+  where = f"{section}.{name}" if section else name
+  if typing.get_origin(annotation) is tuple:
+    item = typing.get_args(annotation)[0]
+    ok = isinstance(value, (tuple, list)) and all(
+        isinstance(v, item) and not (item is int and isinstance(v, bool)) for v in value)
+    if not ok:
+      example = "('x',)" if item is str else "(1, 2)"
+      raise ConfigError(f"{where} must be a tuple of {_type_name(item).split()[-1]}s, e.g. {where}={example}, got {value!r}")
+    object.__setattr__(config, name, tuple(value))
+    return
+  ok = isinstance(value, annotation) and not (annotation is not bool and isinstance(value, bool))
+  if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+    object.__setattr__(config, name, float(value))
+    ok = True
+  if not ok:
+    raise ConfigError(f"{where} must be {_type_name(annotation)}, got {value!r}")
+  if annotation is float and not math.isfinite(value):
+    raise ConfigError(f"{where} must be finite, got {value!r}")
+
+
+def _check_range(where: str, value: float, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False) -> None:
+  too_low = low is not None and (value <= low if low_open else value < low)
+  too_high = high is not None and (value >= high if high_open else value > high)
+  if too_low or too_high:
+    if low is not None and high is not None:
+      allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+      allowed = f"{'>' if low_open else '≥'} {low:g}"
+    else:
+      allowed = f"{'<' if high_open else '≤'} {high:g}"
+    raise ConfigError(f"{where} must be {allowed}, got {value!r}")
+
+
+class _Section:
+  """A run-config section: frozen fields with types checked by annotation, unknown keys refused by name."""
+
+  SECTION = ""
+
+  def _check_types(self) -> None:
+    for field in dataclasses.fields(self):
+      _check_type(self, self.SECTION, field.name)
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]):
+    values = dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in sorted(values):
+      if key not in known:
+        raise ConfigError(f"unknown run config key {cls.SECTION}.{key}{_did_you_mean(cls.SECTION, key, known)}")
+    return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Section):
+  """Optimisation, cadence and bookkeeping of a training run."""
+
+  SECTION = "train"
+  batch_size: int = 8  # global batch: sequences per optimizer step, over all devices and processes
+  seq_len: int = 256  # tokens per sequence
+  grad_accum: int = 1  # micro-batches per step (lax.scan); batch_size must be divisible by it
+  steps: int = 1000
+  lr: float = 3e-4  # linear warmup to lr, then cosine decay to lr·min_lr_ratio
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9  # AdamW; weight decay on matrices only (not norm scales)
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0  # global gradient-norm clipping (0: off)
+  log_every: int = 10
+  eval_every: int = 200  # 0: no evaluation
+  eval_batches: int = 50  # 0: the whole validation split
+  save_every: int = 200
+  keep: int = 3  # keep the last `keep` checkpoints ...
+  keep_every: int = 0  # ... plus every `keep_every`-th step (a multiple of save_every; 0: none)
+  async_save: bool = True
+  peak_flops_per_device: float = 0.0  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
+  record_batches: bool = False  # append each step's batch digest to batches.jsonl (data provenance, resume checks)
+  profile_steps: tuple[int, ...] = ()  # (start, count): a jax.profiler trace of steps start .. start+count-1
+
+  def __post_init__(self):
+    self._check_types()
+    for name in ("batch_size", "seq_len", "grad_accum", "steps", "log_every", "save_every", "keep"):
+      _check_range(f"train.{name}", getattr(self, name), 1)
+    for name in ("warmup_steps", "eval_every", "eval_batches", "keep_every"):
+      _check_range(f"train.{name}", getattr(self, name), 0)
+    _check_range("train.lr", self.lr, 0, low_open=True)
+    _check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+    _check_range("train.b1", self.b1, 0, 1, high_open=True)
+    _check_range("train.b2", self.b2, 0, 1, high_open=True)
+    _check_range("train.eps", self.eps, 0, low_open=True)
+    for name in ("weight_decay", "clip_norm", "peak_flops_per_device"):
+      _check_range(f"train.{name}", getattr(self, name), 0)
+    if self.batch_size % self.grad_accum:
+      raise ConfigError(f"train.batch_size {self.batch_size} is not divisible by train.grad_accum {self.grad_accum}")
+    if self.keep_every % self.save_every:
+      raise ConfigError(f"train.keep_every {self.keep_every} must be a multiple of train.save_every "
+                        f"{self.save_every} (only saved steps can be kept), or 0")
+    if self.profile_steps:
+      if len(self.profile_steps) != 2 or self.profile_steps[0] < 1 or self.profile_steps[1] < 1:
+        raise ConfigError(f"train.profile_steps must be (start, count) with start ≥ 1 and count ≥ 1, or () for no "
+                          f"profile; got {self.profile_steps!r}")
+      if sum(self.profile_steps) - 1 > self.steps:
+        raise ConfigError(f"train.profile_steps {self.profile_steps!r} ends at step {sum(self.profile_steps) - 1}, "
+                          f"past train.steps {self.steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Section):
+  """Where the tokens come from and how they are split."""
+
+  SECTION = "data"
+  sources: tuple[str, ...] = ("shakespeare",)  # files, directories, globs, *.jsonl, "shakespeare[:play,play]" ...
+  val_sources: tuple[str, ...] = ()  # documents for validation (removed from training); empty: val_fraction
+  val_fraction: float = 0.0  # a seeded hash split of documents (text) or conversations (chat)
+  text_field: str = "text"  # JSONL field holding the document text
+  tokenizer: str = ""  # a sentencepiece .model to use; empty: train one on the training documents
+  vocab_size: int = 4096  # for a trained tokenizer
+  prepared_dir: str = ""  # where tokenized shards go; empty: <workdir>/data
+  format: str = "text"  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
+  on_error: str = "skip"  # chat: a bad conversation is skipped and counted ("skip") or stops the run ("stop")
+
+  def __post_init__(self):
+    self._check_types()
+    if not self.sources or not all(s.strip() for s in self.sources):
+      raise ConfigError(f"data.sources must name at least one source, none empty; got {self.sources!r}")
+    _check_range("data.val_fraction", self.val_fraction, 0, 1, high_open=True)
+    _check_range("data.vocab_size", self.vocab_size, 1)
+    if not self.text_field:
+      raise ConfigError("data.text_field must name a JSONL field, got ''")
+    _check_choice("data.format", self.format, DATA_FORMATS)
+    _check_choice("data.on_error", self.on_error, ON_ERROR)
+    if self.val_sources and self.val_fraction:
+      raise ConfigError(f"set data.val_sources or data.val_fraction, not both (got {self.val_sources!r} and "
+                        f"{self.val_fraction})")
+    if self.val_sources and self.format == "chat":
+      raise ConfigError(f"data.val_sources {self.val_sources!r} is not used with data.format='chat': conversations "
+                        f"are held out by data.val_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(_Section):
+  """Devices as data × fsdp × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the data axis over
+  that many slices (multi-slice TPU, or GPU hosts): fsdp and tensor then stay within a slice."""
+
+  SECTION = "mesh"
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+  dcn_data: int = 1
+
+  def __post_init__(self):
+    self._check_types()
+    sizes = [getattr(self, axis) for axis in MESH_AXES]
+    for axis, size in zip(MESH_AXES, sizes):
+      if size == 0 or size < -1:
+        raise ConfigError(f"mesh.{axis} must be a positive integer or -1 (the rest of the devices), got {size}")
+    if sizes.count(-1) > 1:
+      raise ConfigError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
+    _check_range("mesh.dcn_data", self.dcn_data, 1)
+
+  def to_dict(self) -> dict[str, int]:
+    return dataclasses.asdict(self)
 
 
 # Logical axis → mesh axis rules. Parameters and activations use different logical names so that the batch axis
@@ -161,53 +367,105 @@ DEFAULT_LOGICAL_AXIS_RULES = (
 )
 
 
+def _logical_axis_rules(rules: Any) -> tuple:
+  """Rules as a tuple of (logical name, mesh axis | None | tuple of mesh axes), mesh axes checked by name."""
+  out = []
+  for rule in rules if isinstance(rules, (tuple, list)) else [rules]:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f"logical_axis_rules entries must be (logical name, mesh axis or None or tuple of mesh "
+                        f"axes), got {rule!r}")
+    target = rule[1]
+    axes = () if target is None else tuple(target) if isinstance(target, (tuple, list)) else (target,)
+    for axis in axes:
+      if axis not in MESH_AXES:
+        raise ConfigError(f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; the mesh axes are "
+                          f"{', '.join(MESH_AXES)}")
+    out.append((rule[0], tuple(target) if isinstance(target, (tuple, list)) else target))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything about a run, typed and checked: build it with ``run_config_from`` (from a ConfigDict or JSON)."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  logical_axis_rules: tuple = DEFAULT_LOGICAL_AXIS_RULES
+  # A checkpoint directory whose parameters (only: the optimizer starts fresh) initialise a new run, e.g. for SFT.
+  init_from: str = ""
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("init_from", "seed"):
+      _check_type(self, "", name)
+    _check_range("seed", self.seed, 0)
+    object.__setattr__(self, "logical_axis_rules", _logical_axis_rules(self.logical_axis_rules))
+    if self.train.seq_len > self.model.max_seq_len:
+      raise ConfigError(f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "
+                        f"{self.model.max_seq_len}; raise --config.model.max_seq_len or lower train.seq_len")
+
+  SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "RunConfig":
+    """From a ConfigDict's ``to_dict()`` or a saved run_config.json; every unknown key is refused by name."""
+    values = dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in sorted(values):
+      if key not in known:
+        raise ConfigError(f"unknown run config key {key}{_did_you_mean('', key, known)}")
+    for name, section in cls.SECTIONS.items():
+      if name in values:
+        if not isinstance(values[name], Mapping):
+          raise ConfigError(f"{name} must be a section of keys, got {values[name]!r}")
+        values[name] = section.from_dict(values[name])
+    return cls(**values)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  def replace(self, **sections: Any) -> "RunConfig":
+    """A copy with whole sections or fields replaced, checked again: ``replace(train=dict(steps=5))``."""
+    changes = {k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, Mapping) else v
+               for k, v in sections.items()}
+    return dataclasses.replace(self, **changes)
+
+
+def run_config_from(config: Any) -> RunConfig:
+  """The typed, checked RunConfig of a RunConfig, an ml_collections ConfigDict or a plain mapping."""
+  if isinstance(config, RunConfig):
+    return config
+  return RunConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
+
+
 def base_run_config():
-  """Defaults that every ``configs/<name>.py`` starts from and then overrides."""
+  """Defaults that every ``configs/<name>.py`` starts from and then overrides: the dataclasses' defaults as a
+  ConfigDict (the layer that config files write and ``--config.x.y=`` overrides change)."""
   import ml_collections  # local import: the model must not need ml_collections
 
+  defaults = RunConfig()
   cfg = ml_collections.ConfigDict()
-  cfg.model = ml_collections.ConfigDict(ModelConfig().to_dict())
+  for name in RunConfig.SECTIONS:
+    cfg[name] = ml_collections.ConfigDict(dataclasses.asdict(getattr(defaults, name)))
+  # Fields whose default is None need a declared type, or an override could not set them.
   cfg.model.n_kv_heads = ml_collections.FieldReference(None, field_type=int)
   cfg.model.ffn_dim_multiplier = ml_collections.FieldReference(None, field_type=float)
   cfg.model.ffn_hidden_dim = ml_collections.FieldReference(None, field_type=int)
-  # Devices are arranged as data × fsdp × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the
-  # data axis over that many slices (multi-slice TPU, or GPU hosts): fsdp and tensor then stay within a slice.
-  cfg.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
-  cfg.logical_axis_rules = DEFAULT_LOGICAL_AXIS_RULES
-  cfg.train = ml_collections.ConfigDict(dict(
-      batch_size=8,  # global batch: sequences per optimizer step, over all devices and processes
-      seq_len=256,  # tokens per sequence
-      grad_accum=1,  # micro-batches per step (lax.scan); batch_size must be divisible by it
-      steps=1000,
-      lr=3e-4, warmup_steps=100, min_lr_ratio=0.1,  # linear warmup, then cosine decay to lr·min_lr_ratio
-      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,  # AdamW; decay on matrices only (not norm scales)
-      clip_norm=1.0,  # global gradient-norm clipping (0: off)
-      log_every=10, eval_every=200, eval_batches=50,  # eval_batches 0: the whole validation split
-      save_every=200, keep=3, keep_every=0, async_save=True,  # keep the last `keep` plus every `keep_every`-th
-      peak_flops_per_device=0.0,  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
-      record_batches=False,  # append each step's batch digest to batches.jsonl (data provenance, resume checks)
-  ))
-  cfg.data = ml_collections.ConfigDict(dict(
-      sources=("shakespeare",),  # files, directories, globs, *.jsonl, "shakespeare" or "shakespeare:play,play"
-      val_sources=(),  # documents for validation (removed from training); empty: a val_fraction hash split
-      val_fraction=0.0,
-      text_field="text",  # JSONL field holding the document text
-      tokenizer="",  # a sentencepiece .model to use; empty: train one on the training documents
-      vocab_size=4096,  # for a trained tokenizer
-      prepared_dir="",  # where tokenized shards go; empty: <workdir>/data
-      format="text",  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
-      on_error="skip",  # chat: a bad conversation is skipped and counted ("skip") or stops the run ("stop")
-  ))
-  # A checkpoint directory whose parameters (only: the optimizer starts fresh) initialise a new run, e.g. for SFT.
-  cfg.init_from = ""
-  cfg.seed = 0
+  cfg.logical_axis_rules = defaults.logical_axis_rules
+  cfg.init_from = defaults.init_from
+  cfg.seed = defaults.seed
   return cfg
 
 
 def load_run_config(path: str):
-  """Imports ``configs/<name>.py`` and returns its ``get_config()`` (what absl's config_flags does, for library use)."""
+  """Imports ``configs/<name>.py`` and returns its ``get_config()`` ConfigDict (what absl's config_flags does, for
+  library use and for config files built on other config files)."""
   import importlib.util
-  import os
 
   if not os.path.isfile(path):
     raise ConfigError(f"config file not found: {path!r}")
@@ -217,12 +475,20 @@ def load_run_config(path: str):
   return module.get_config()
 
 
+def _override_hint(override: str) -> str:
+  """' (did you mean train.steps?)' for an override of an unknown key such as --config.train.stpes=5."""
+  path = override[len("--config."):].split("=", 1)[0].split(".")
+  if len(path) == 2 and path[0] in RunConfig.SECTIONS:
+    return _did_you_mean(path[0], path[1], [f.name for f in dataclasses.fields(RunConfig.SECTIONS[path[0]])])
+  return _did_you_mean("", path[0], [f.name for f in dataclasses.fields(RunConfig)])
+
+
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
   """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
   one-line error and exit status 2, instead of a traceback."""
-  import sys
-
   from absl import flags
+
+  from llama_jax.errors import exit_with_error
 
   try:
     return flags.FLAGS(argv)
@@ -231,23 +497,29 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
     while cause.__context__ is not None and isinstance(e, AttributeError):
       cause = cause.__context__  # ml_collections wraps the KeyError that holds the "did you mean" hint
     overrides = [a for a in argv[1:] if a.startswith("--config.")]
-    what = f"unknown config key {cause}" if isinstance(cause, KeyError) else str(cause)
-    print(f"error: bad flag or config override {overrides or argv[1:]}: {what}", file=sys.stderr)
-    sys.exit(2)
+    if isinstance(cause, KeyError):
+      # ml_collections' key error may carry its own multi-line "Did you mean"; keep the key, add ours.
+      key = str(cause.args[0] if cause.args else cause).split("\n")[0].strip("'\" ")
+      hints = "".join(_override_hint(o) for o in overrides if f".{key}" in o.split("=")[0])
+      what = f"unknown config key {key!r}{hints}"
+    else:
+      what = " ".join(str(cause).split())
+    exit_with_error(f"bad flag or config override {overrides or argv[1:]}: {what}")
 
 
-def run_config_from_flag_or_exit(config_flag) -> tuple[Any, ModelConfig]:
-  """(run config, model config) of a ``DEFINE_config_file`` flag; a missing file or a bad value exits with status 2
-  and one line that names it."""
-  import sys
+def run_config_from_flag_or_exit(config_flag) -> RunConfig:
+  """The checked RunConfig of a ``DEFINE_config_file`` flag; a missing file or a bad value exits with status 2 and
+  one line that names it (and the config file)."""
+  from absl import flags
+
+  from llama_jax.errors import exit_with_error
 
   try:
-    run_config = config_flag.value
-    return run_config, model_config_from(run_config)
-  except (OSError, ConfigError) as e:
-    message = f"cannot load config file {str(e).split()[-1]}" if isinstance(e, OSError) else str(e)
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    return run_config_from(config_flag.value)
+  except OSError as e:
+    exit_with_error(f"cannot load config file {str(e).split()[-1]}")
+  except ConfigError as e:
+    exit_with_error(f"{flags.FLAGS['config'].config_filename}: {e}")
 
 
 def main(argv=None) -> None:
@@ -259,8 +531,9 @@ def main(argv=None) -> None:
   flags.mark_flags_as_required(["config"])
 
   def show(_):
-    run_config, model = run_config_from_flag_or_exit(config_flag)
-    print(run_config)
+    run_config = run_config_from_flag_or_exit(config_flag)
+    print(config_flag.value)
+    model = run_config.model
     print(f"model ({model.num_params():,} parameters, MLP width {model.hidden_dim}):")
     print(model.to_json())
 

@@ -11,7 +11,6 @@ permutation HF's own conversion script applies).
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -24,12 +23,14 @@ from safetensors.numpy import save_file
 
 from llama_jax import checkpoint
 from llama_jax.config import ConfigError, ModelConfig
+from llama_jax.errors import ArgumentParser, LlamaJaxError, run_or_exit
+from llama_jax.tokenizer import TOKENIZER_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES_FROM_HF = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-class ConvertError(ValueError):
+class ConvertError(LlamaJaxError, ValueError):
   """The input cannot be converted; the message names the file, tensor or value."""
 
 
@@ -245,14 +246,14 @@ def write_hf_dir(out_dir: str, cfg: ModelConfig, params: Mapping[str, Any], toke
     json.dump(hf_config_from_model_config(cfg), f, indent=2)
   if tokenizer_path:
     import shutil
-    shutil.copyfile(tokenizer_path, os.path.join(out_dir, checkpoint.TOKENIZER_FILE))
+    shutil.copyfile(tokenizer_path, os.path.join(out_dir, TOKENIZER_FILE))
 
 
 def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
   """HF directory → new llama_jax checkpoint directory (params at step 0, model config, tokenizer if present)."""
   cfg, tensors = read_hf_dir(hf_dir)
   params = params_from_hf(tensors, cfg)
-  tokenizer = os.path.join(hf_dir, checkpoint.TOKENIZER_FILE)
+  tokenizer = os.path.join(hf_dir, TOKENIZER_FILE)
   checkpoint.save_params_dir(out_dir, cfg, params, tokenizer_path=tokenizer if os.path.isfile(tokenizer) else None)
   return cfg
 
@@ -263,27 +264,23 @@ def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -
     raise ConvertError(f"output directory {out_dir!r} exists and is not empty; choose a new one")
   cfg, params = checkpoint.load_params(checkpoint_dir)
   params = {k: v for k, v in params.items()}
-  tokenizer = os.path.join(checkpoint_dir, checkpoint.TOKENIZER_FILE)
+  tokenizer = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   write_hf_dir(out_dir, cfg, params, tokenizer if os.path.isfile(tokenizer) else None, max_shard_bytes)
   return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m llama_jax.convert", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m llama_jax.convert", description=__doc__.split("\n\n")[0])
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--from_hf", metavar="HF_DIR", help="transformers Llama directory to read")
   source.add_argument("--to_hf", metavar="CKPT_DIR", help="llama_jax checkpoint directory to export")
   parser.add_argument("--out", required=True, help="new output directory (must not exist or be empty)")
   parser.add_argument("--max_shard_gib", type=float, default=5.0, help="--to_hf: largest safetensors file")
   args = parser.parse_args(argv)
-  try:
-    if args.from_hf:
-      cfg = from_hf(args.from_hf, args.out)
-    else:
-      cfg = to_hf(args.to_hf, args.out, int(args.max_shard_gib * 2**30))
-  except (ConvertError, ConfigError, checkpoint.CheckpointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  if args.from_hf:
+    cfg = run_or_exit(from_hf, args.from_hf, args.out)
+  else:
+    cfg = run_or_exit(to_hf, args.to_hf, args.out, int(args.max_shard_gib * 2**30))
   print(f"wrote {args.out}: {cfg.num_params():,} parameters, {cfg.n_layers} layers, dim {cfg.dim}")
   return 0
 

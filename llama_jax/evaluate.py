@@ -8,7 +8,6 @@ that is needed otherwise: model config, tokenizer and parameters come from it.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -17,16 +16,16 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llama_jax import checkpoint as checkpoint_lib
 from llama_jax import data as data_lib
 from llama_jax import sharding
-from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES, ConfigError
+from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES
+from llama_jax.errors import ArgumentParser, exit_with_error, run_or_exit
+from llama_jax.loss import eval_step, summarize_eval
 from llama_jax.model import Llama
-from llama_jax.tokenizer import Tokenizer, TokenizerError
-from llama_jax.train import eval_step, summarize_eval
+from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 
 def _run_settings(checkpoint_dir: str) -> dict:
@@ -41,16 +40,16 @@ def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0,
              max_batches: int = 0, text_field: str = "text") -> dict[str, float]:
   """Metrics of the latest checkpoint step on `sources` (or the run's validation split)."""
   model_cfg = checkpoint_lib.read_model_config(checkpoint_dir)
-  tokenizer_path = os.path.join(checkpoint_dir, checkpoint_lib.TOKENIZER_FILE)
+  tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   if not os.path.isfile(tokenizer_path):
-    raise checkpoint_lib.CheckpointError(f"{checkpoint_dir!r} has no {checkpoint_lib.TOKENIZER_FILE}")
+    raise checkpoint_lib.CheckpointError(f"{checkpoint_dir!r} has no {TOKENIZER_FILE}")
   tokenizer = Tokenizer(tokenizer_path)
   settings = _run_settings(checkpoint_dir)
   seq_len = seq_len or settings.get("train", {}).get("seq_len") or min(model_cfg.max_seq_len, 1024)
   batch_size = batch_size or settings.get("train", {}).get("batch_size") or 8
   if sources:
     windows = data_lib.TokenWindows(
-        data_lib.tokenize_documents(data_lib.resolve_sources(sources, text_field), tokenizer, text_field), seq_len)
+        data_lib.tokenize_documents(data_lib.resolve_sources(sources), tokenizer, text_field), seq_len)
   else:
     prepared = settings.get("data", {}).get("prepared_dir") or os.path.join(checkpoint_dir, "data")
     if not os.path.isfile(os.path.join(prepared, "val.bin")):
@@ -62,9 +61,8 @@ def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0,
 
   rules = DEFAULT_LOGICAL_AXIS_RULES
   mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
-  graphdef, abstract_state = sharding.abstract_model(Llama, model_cfg)
-  param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh, rules))
-  _, params = checkpoint_lib.load_params(checkpoint_dir, shardings=param_shardings)
+  graphdef, abstract_params = sharding.abstract_params(Llama, model_cfg, mesh, rules)
+  _, params = checkpoint_lib.load_params(checkpoint_dir, shardings=sharding.shardings_of(abstract_params))
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", "activation_length"), rules))
   step = jax.jit(functools.partial(eval_step, graphdef=graphdef), out_shardings=replicated)
@@ -81,7 +79,7 @@ def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m llama_jax.evaluate", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m llama_jax.evaluate", description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)")
   parser.add_argument("--data", nargs="*", default=[], help="files, directories, globs, *.jsonl or 'shakespeare:...'")
   parser.add_argument("--seq_len", type=int, default=0, help="tokens per window (default: the run's seq_len)")
@@ -91,13 +89,9 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   for name in ("seq_len", "batch_size", "max_batches"):
     if getattr(args, name) < 0:
-      print(f"error: --{name} must be ≥ 0, got {getattr(args, name)}", file=sys.stderr)
-      return 2
-  try:
-    metrics = evaluate(args.checkpoint, args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field)
-  except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, TokenizerError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+      exit_with_error(f"--{name} must be ≥ 0, got {getattr(args, name)}")
+  metrics = run_or_exit(evaluate, args.checkpoint, args.data, args.seq_len, args.batch_size, args.max_batches,
+                        args.text_field)
   print(f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | bits/byte "
         f"{metrics['bits_per_byte']:.4f} | tokens {int(metrics['tokens']):,}")
   return 0

@@ -2,7 +2,9 @@
 
 Axis legend used in every einsum and array name of the package:
   B batch, T query length, S key/value length, N query heads, K kv heads, G = N / K query heads per kv head,
-  H head dim, D model dim, F mlp hidden, V vocab, L layers.
+  H head dim, D model dim, F mlp hidden, V vocab, L layers,
+  P padded prompt length (a decoding bucket), C query chunk (chunked attention), Q = G·T query rows per kv head
+  (cached attention), X any head axis (N or K: RoPE rotates queries and keys alike).
 
 Parameters carry logical axis names (see ``config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
 config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
@@ -58,6 +60,7 @@ class RMSNorm(nnx.Module):
     self.eps = cfg.norm_eps
     self.scale = _param(rngs, (cfg.dim,), ("norm",), cfg, init=jax.nn.initializers.ones)
 
+  @jax.named_scope("norm")
   def __call__(self, x: Array) -> Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -114,46 +117,52 @@ class Attention(nnx.Module):
     self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg)
     self.rope = RotaryEmbedding(cfg)
 
-  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None,
-               cache: LayerCache | None = None) -> tuple[Array, tuple[Array, Array]]:
-    """Output [B, T, D] and keys/values: without a cache, this call's rotated keys and values [B, T, K, H], the
-    queries attending over this call's tokens only; with one, the updated cache k, v (the layer's own [B, K, S, H]
-    buffers, or the stacked [L, B, K, S, H] ones) with the new keys and values at slot `cache.index`, the queries
-    attending over every filled slot by position (decoding)."""
+  def _rotated_qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
     dtype = x_BTD.dtype
     q_BTNH = project(x_BTD, self.wq[...].astype(dtype))  # BTD,DNH->BTNH
     k_BTKH = project(x_BTD, self.wk[...].astype(dtype))  # BTD,DKH->BTKH
     v_BTKH = project(x_BTD, self.wv[...].astype(dtype))  # BTD,DKH->BTKH
     q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
     k_BTKH = sharding.constrain(k_BTKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
-    q_BTNH = self.rope(q_BTNH, positions_BT)
-    k_BTKH = self.rope(k_BTKH, positions_BT)
-    if cache is None:
-      out_BTNH = attention_lib.attention(
-          q_BTNH, k_BTKH, v_BTKH, q_segment_ids=segment_ids_BT, kv_segment_ids=segment_ids_BT,
-          implementation=self.cfg.attention)
-      new_kv = (k_BTKH, v_BTKH)
-    else:
-      # The T new slots are written in place (the decode loop donates the cache): into the layer's own buffers, or
-      # into the stacked cache, whose layer slice is then read for attention.
-      k_BKTH = k_BTKH.swapaxes(1, 2).astype(cache.k.dtype)
-      v_BKTH = v_BTKH.swapaxes(1, 2).astype(cache.v.dtype)
-      if cache.layer is None:
-        k_BKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH, (0, 0, cache.index, 0))
-        v_BKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH, (0, 0, cache.index, 0))
-        new_kv = (k_BKSH, v_BKSH)
-      else:
-        start = (cache.layer, 0, 0, cache.index, 0)
-        k_LBKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None], start)
-        v_LBKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None], start)
-        k_BKSH = jax.lax.dynamic_index_in_dim(k_LBKSH, cache.layer, keepdims=False)
-        v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, cache.layer, keepdims=False)
-        new_kv = (k_LBKSH, v_LBKSH)
-      out_BTNH = attention_lib.cached_attention(q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype),
-                                                q_positions=positions_BT, kv_positions=cache.positions)
+    return self.rope(q_BTNH, positions_BT), self.rope(k_BTKH, positions_BT), v_BTKH
+
+  def _output(self, out_BTNH: Array) -> Array:
     b, t, n, h = out_BTNH.shape
-    out_BTD = project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
-    return out_BTD, new_kv
+    return project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(out_BTNH.dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
+
+  @jax.named_scope("attention")
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+    """Output [B, T, D]: each query attends to the earlier tokens of this call with its segment id."""
+    q_BTNH, k_BTKH, v_BTKH = self._rotated_qkv(x_BTD, positions_BT)
+    out_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids=segment_ids_BT,
+                                       kv_segment_ids=segment_ids_BT, implementation=self.cfg.attention)
+    return self._output(out_BTNH)
+
+  @jax.named_scope("attention")
+  def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
+    """(output [B, T, D], updated k, v): this call's keys and values written at slot `cache.index` of the layer's
+    own [B, K, S, H] buffers (or of the stacked [L, B, K, S, H] ones), and the queries attending over every filled
+    slot by position."""
+    dtype = x_BTD.dtype
+    q_BTNH, k_BTKH, v_BTKH = self._rotated_qkv(x_BTD, positions_BT)
+    # The T new slots are written in place (the decode loop donates the cache): into the layer's own buffers, or
+    # into the stacked cache, whose layer slice is then read for attention.
+    k_BKTH = k_BTKH.swapaxes(1, 2).astype(cache.k.dtype)
+    v_BKTH = v_BTKH.swapaxes(1, 2).astype(cache.v.dtype)
+    if cache.layer is None:
+      k_BKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH, (0, 0, cache.index, 0))
+      v_BKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH, (0, 0, cache.index, 0))
+      new_kv = (k_BKSH, v_BKSH)
+    else:
+      start = (cache.layer, 0, 0, cache.index, 0)
+      k_LBKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None], start)
+      v_LBKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None], start)
+      k_BKSH = jax.lax.dynamic_index_in_dim(k_LBKSH, cache.layer, keepdims=False)
+      v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, cache.layer, keepdims=False)
+      new_kv = (k_LBKSH, v_LBKSH)
+    out_BTNH = attention_lib.cached_attention(q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype),
+                                              q_positions=positions_BT, kv_positions=cache.positions)
+    return self._output(out_BTNH), new_kv
 
 
 class MLP(nnx.Module):
@@ -165,6 +174,7 @@ class MLP(nnx.Module):
     self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg)
     self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg)
 
+  @jax.named_scope("mlp")
   def __call__(self, x_BTD: Array) -> Array:
     dtype = x_BTD.dtype
     gate_BTF = project(x_BTD, self.w_gate[...].astype(dtype))  # BTD,DF->BTF
@@ -183,12 +193,17 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None,
-               cache: LayerCache | None = None) -> tuple[Array, tuple[Array, Array]]:
-    attended_BTD, new_kv = self.attention(self.attention_norm(x_BTD), positions_BT, segment_ids_BT, cache)
-    h_BTD = x_BTD + attended_BTD
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+    h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), positions_BT, segment_ids_BT)
+    return self._mlp_residual(h_BTD)
+
+  def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
+    attended_BTD, new_kv = self.attention.decode(self.attention_norm(x_BTD), positions_BT, cache)
+    return self._mlp_residual(x_BTD + attended_BTD), new_kv
+
+  def _mlp_residual(self, h_BTD: Array) -> Array:
     out_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
-    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed")), new_kv
+    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
 
 # Position stored in empty cache slots: larger than any query position, so the causal test hides them.
@@ -244,11 +259,18 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-  """Token embedding → L stacked blocks (run by ``lax.scan``) → final RMSNorm → LM head (tied or not).
+  """Token embedding → L blocks → final RMSNorm → LM head (tied or not).
 
-  `stacked_layers=False` holds the blocks as a list of L separate modules instead (params from `unstack_layers`):
-  the decoding layout, where a step then reads each layer's weights in place rather than slicing them out of the
-  stacked arrays (a copy of every weight per step on XLA:CPU).
+  `__call__(tokens, positions, segment_ids) -> logits` is the full forward (training, evaluation);
+  `decode(tokens, positions, cache) -> (logits, cache)` runs new tokens against a KV cache (prefill and each step).
+
+  Two layouts of the same parameters. Stacked (the default): one Block whose every parameter has a leading layers
+  axis, run by one ``lax.scan`` (compile time independent of depth; the training layout). `stacked_layers=False`: a
+  list of L separate blocks (params from `unstack_layers`), the decoding layout: a step then reads each layer's
+  weights and writes its cache buffers in place, where slicing them out of stacked arrays copied every weight per
+  step on XLA:CPU (batch-1 decode step 13 → 5 ms). Each layout decodes with its own cache: per-layer buffers for
+  the decoding layout (what ``sample.Sampler`` runs), one stacked [L, B, K, S, H] cache in the scan carry for the
+  stacked layout (tests, and models too deep to unroll).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True):
@@ -268,86 +290,79 @@ class Llama(nnx.Module):
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
 
-  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
-               cache: KVCache | None = None):
-    """Float32 logits [B, T, V]; with a cache, (logits, updated cache).
+  @property
+  def stacked(self) -> bool:
+    return not isinstance(self.layers, nnx.List)
 
-    Positions default to 0..T-1. Tokens attend only within their segment id (packed sequences); id 0 marks padding.
-    With a cache, the T tokens fill slots index..index+T-1 (padding tokens, segment id 0, are stored as empty) and
-    attend to every earlier filled slot by position.
-    """
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None,
+               segment_ids_BT: Array | None = None) -> Array:
+    """Float32 logits [B, T, V]. Positions default to 0..T-1. Tokens attend only to earlier tokens with their
+    segment id (packed sequences); id 0 marks padding."""
     cfg = self.cfg
-    dtype = jnp.dtype(cfg.dtype)
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
-    x_BTD = sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
-    if isinstance(self.layers, nnx.List):
-      return self._unstacked_forward(x_BTD, positions_BT, segment_ids_BT, cache)
+    x_BTD = self._embed(tokens_BT)
+    if not self.stacked:
+      for block in self.layers:
+        x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
+      return self._logits(x_BTD)
     graphdef, layer_state = nnx.split(self.layers)
 
-    if cache is None:
-      def run_layer(h_BTD, one_layer_state):
-        block = nnx.merge(graphdef, one_layer_state, copy=True)
-        return block(h_BTD, positions_BT, segment_ids_BT)[0], None
+    def run_layer(h_BTD, one_layer_state):
+      return nnx.merge(graphdef, one_layer_state, copy=True)(h_BTD, positions_BT, segment_ids_BT), None
 
-      if cfg.remat != "none":
-        run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-      if cfg.scan_layers:
-        x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
-      else:
-        for i in range(cfg.n_layers):
-          x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
-      return self._logits(x_BTD)
+    if cfg.remat != "none":
+      run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
+    else:
+      for i in range(cfg.n_layers):
+        x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
+    return self._logits(x_BTD)
 
-    if isinstance(cache.k, (tuple, list)):
+  def decode(self, tokens_BT: Array, positions_BT: Array | None, cache: KVCache,
+             segment_ids_BT: Array | None = None) -> tuple[Array, KVCache]:
+    """(float32 logits [B, T, V], updated cache). The T tokens fill slots index..index+T-1 (padding, segment id 0,
+    is stored as empty) and attend to every earlier filled slot by position. Positions default to index..index+T-1."""
+    if isinstance(cache.k, (tuple, list)) == self.stacked:
       raise ValueError("a per-layer KV cache needs Llama(stacked_layers=False); the stacked model scans a stacked "
-                       "cache (KVCache.empty(..., per_layer=False))")
-    slot_positions = self._slot_positions(positions_BT, segment_ids_BT, cache)
+                       "cache (KVCache.empty(..., per_layer=False))" if self.stacked else
+                       "Llama(stacked_layers=False) decodes with a per-layer KV cache "
+                       "(KVCache.empty(..., per_layer=True))")
+    if positions_BT is None:
+      positions_BT = cache.index + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    x_BTD = self._embed(tokens_BT)
+    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT,
+                                                                        EMPTY_POSITION)
+    slot_positions = jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
+    if not self.stacked:
+      k_all, v_all = list(cache.k), list(cache.v)
+      for index, block in enumerate(self.layers):
+        layer_cache = LayerCache(k=k_all[index], v=v_all[index], layer=None, positions=slot_positions,
+                                 index=cache.index)
+        x_BTD, (k_all[index], v_all[index]) = block.decode(x_BTD, positions_BT, layer_cache)
+      k_all, v_all = tuple(k_all), tuple(v_all)
+    else:
+      graphdef, layer_state = nnx.split(self.layers)
 
-    def run_cached_layer(carry, layer):
-      # The whole stacked cache rides in the carry, so each layer writes only its T new slots (scan inputs and
-      # outputs would copy a layer's whole cache in and out every step).
-      h_BTD, k_all, v_all = carry
-      one_layer_state, index = layer
-      block = nnx.merge(graphdef, one_layer_state, copy=True)
-      layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
-      h_BTD, (k_all, v_all) = block(h_BTD, positions_BT, segment_ids_BT, layer_cache)
-      return (h_BTD, k_all, v_all), None
+      def run_cached_layer(carry, layer):
+        # The whole stacked cache rides in the carry, so each layer writes only its T new slots (scan inputs and
+        # outputs would copy a layer's whole cache in and out every step).
+        h_BTD, k_all, v_all = carry
+        one_layer_state, index = layer
+        layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
+        h_BTD, (k_all, v_all) = nnx.merge(graphdef, one_layer_state, copy=True).decode(h_BTD, positions_BT,
+                                                                                       layer_cache)
+        return (h_BTD, k_all, v_all), None
 
-    (x_BTD, k_all, v_all), _ = jax.lax.scan(run_cached_layer, (x_BTD, cache.k, cache.v),
-                                            (layer_state, jnp.arange(cfg.n_layers)))
+      (x_BTD, k_all, v_all), _ = jax.lax.scan(run_cached_layer, (x_BTD, cache.k, cache.v),
+                                              (layer_state, jnp.arange(self.cfg.n_layers)))
     new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
     return self._logits(x_BTD), new_cache
 
-  def _unstacked_forward(self, x_BTD, positions_BT, segment_ids_BT, cache):
-    """The layers as L separate blocks in a Python loop (no remat: this layout is for decoding)."""
-    if cache is None:
-      for block in self.layers:
-        x_BTD = block(x_BTD, positions_BT, segment_ids_BT)[0]
-      return self._logits(x_BTD)
-    slot_positions = self._slot_positions(positions_BT, segment_ids_BT, cache)
-    per_layer = isinstance(cache.k, (tuple, list))
-    k_all, v_all = (list(cache.k), list(cache.v)) if per_layer else (cache.k, cache.v)
-    for index, block in enumerate(self.layers):
-      if per_layer:
-        layer_cache = LayerCache(k=k_all[index], v=v_all[index], layer=None, positions=slot_positions,
-                                 index=cache.index)
-        x_BTD, (k_all[index], v_all[index]) = block(x_BTD, positions_BT, segment_ids_BT, layer_cache)
-      else:
-        layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
-        x_BTD, (k_all, v_all) = block(x_BTD, positions_BT, segment_ids_BT, layer_cache)
-    if per_layer:
-      k_all, v_all = tuple(k_all), tuple(v_all)
-    new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + x_BTD.shape[1])
-    return self._logits(x_BTD), new_cache
-
-  @staticmethod
-  def _slot_positions(positions_BT, segment_ids_BT, cache: KVCache) -> Array:
-    """The cache's slot positions with this call's T tokens written at the cache index (padding stored as empty)."""
-    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT,
-                                                                        EMPTY_POSITION)
-    return jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
+  def _embed(self, tokens_BT: Array) -> Array:
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    return sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
   def _logits(self, x_BTD: Array) -> Array:
     x_BTD = self.final_norm(x_BTD)

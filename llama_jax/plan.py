@@ -15,18 +15,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from llama_jax import attention as attention_lib
 from llama_jax import sharding
-from llama_jax.config import ConfigError, model_config_from, parse_flags_or_exit, run_config_from_flag_or_exit
-from llama_jax.data import SFT_KEYS
-from llama_jax.train import Trainer, flops_per_token
+from llama_jax.config import RunConfig, parse_flags_or_exit, run_config_from, run_config_from_flag_or_exit
+from llama_jax.errors import exit_with_error, run_or_exit
+from llama_jax.flops import flops_per_token
+from llama_jax.train import Trainer
 
 GIB = 2**30
 # HBM per chip / GPU, GiB.
@@ -76,22 +75,17 @@ def model_config_for_plan(model_cfg, backend: str, seq_len: int):
   return model_cfg
 
 
-def plan(run_config, devices=None) -> Plan:
+def plan(run_config: RunConfig, devices=None) -> Plan:
   """Compiles the train step of `run_config` over `devices` (default: all) without allocating the state."""
   start = time.perf_counter()
+  run_config = run_config_from(run_config)
   devices = list(jax.devices() if devices is None else devices)
-  model_cfg = model_config_for_plan(model_config_from(run_config), jax.default_backend(),
-                                   run_config.train.seq_len)
+  train_cfg = run_config.train
+  model_cfg = model_config_for_plan(run_config.model, jax.default_backend(), train_cfg.seq_len)
   mesh = sharding.make_mesh(run_config.mesh, devices)
   trainer = Trainer(model_cfg, run_config, mesh)
-  state = trainer.abstract_state()
-  train_cfg = run_config.train
-  keys = SFT_KEYS if run_config.data.format == "chat" else ("inputs", "targets")
-  batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len),
-                                   np.float32 if k == "weights" else np.int32, sharding=trainer.batch_sharding)
-           for k in keys}
-  with sharding.activate(mesh, trainer.rules):
-    compiled = trainer._train_step.lower(state, batch).compile()
+  state, batch = trainer.abstract_state(), trainer.abstract_batch()
+  compiled = trainer.lower(state, batch).compile()
   memory = compiled.memory_analysis()
   attention = attention_lib.choose_implementation(
       model_cfg.attention, jax.default_backend(), q_len=train_cfg.seq_len, kv_len=train_cfg.seq_len,
@@ -102,11 +96,12 @@ def plan(run_config, devices=None) -> Plan:
       params_bytes=_device_bytes(state["params"]), opt_state_bytes=_device_bytes(state["opt_state"]),
       batch_bytes=_device_bytes(batch), argument_bytes=memory.argument_size_in_bytes,
       output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
-      temp_bytes=memory.temp_size_in_bytes, model_flops=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
+      temp_bytes=memory.temp_size_in_bytes,
+      model_flops=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
       seconds=time.perf_counter() - start)
 
 
-def report(p: Plan, run_config, hbm_gib: float | None = None) -> str:
+def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
   train_cfg, model = run_config.train, run_config.model
   mesh = " × ".join(f"{axis} {size}" for axis, size in p.mesh.items())
   unit, scale = ("GiB", GIB) if p.peak_bytes >= GIB else ("MiB", 2**20)
@@ -148,20 +143,14 @@ def main(argv=None) -> None:
 
   def run(_):
     if devices_flag.value < 1:
-      print(f"error: --devices must be a positive integer, got {devices_flag.value}", file=sys.stderr)
-      sys.exit(2)
+      exit_with_error(f"--devices must be a positive integer, got {devices_flag.value}")
     if hbm_flag.value is not None and hbm_flag.value <= 0:
-      print(f"error: --hbm_gib must be > 0, got {hbm_flag.value}", file=sys.stderr)
-      sys.exit(2)
+      exit_with_error(f"--hbm_gib must be > 0, got {hbm_flag.value}")
     # Simulated CPU devices: set before the first device query initialises the backend.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices_flag.value)
-    run_config, _ = run_config_from_flag_or_exit(config_flag)
-    try:
-      result = plan(run_config)
-    except (ConfigError, sharding.ShardingError) as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2)
+    run_config = run_config_from_flag_or_exit(config_flag)
+    result = run_or_exit(plan, run_config)
     print(report(result, run_config, hbm_flag.value))
     if json_flag.value:
       with open(json_flag.value, "w") as f:

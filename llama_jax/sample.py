@@ -12,7 +12,6 @@ bucket + max_new_tokens slots; a prompt plus max_new_tokens beyond the model's m
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -24,13 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llama_jax import checkpoint
 from llama_jax.config import ModelConfig
+from llama_jax.errors import ArgumentParser, LlamaJaxError, run_or_exit
 from llama_jax.model import KVCache, Llama, unstack_layers
+from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 MIN_BUCKET = 16
 
 
-class SampleError(ValueError):
+class SampleError(LlamaJaxError, ValueError):
   """A sampling request is out of range; the message names the value and the allowed range."""
 
 
@@ -95,7 +97,7 @@ def prefill(params: Any, prompts_BP: jax.Array, lengths_B: jax.Array, cache: KVC
   batch, bucket = prompts_BP.shape
   positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
   segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
-  logits_BPV, cache = model(prompts_BP, positions_BP, segment_ids_BP, cache=cache)
+  logits_BPV, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP)
   last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   rng, step_rng = jax.random.split(rng)
   token_B = next_token(last_BV, step_rng, sampling)
@@ -117,7 +119,7 @@ def decode(params: Any, state: DecodeState, until_step: jax.Array, *, graphdef: 
     return (s.step < limit) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
-    logits_B1V, cache = model(s.token[:, None], s.position[:, None], cache=s.cache)
+    logits_B1V, cache = model.decode(s.token[:, None], s.position[:, None], s.cache)
     rng, step_rng = jax.random.split(s.rng)
     token_B = next_token(logits_B1V[:, 0], step_rng, sampling)
     token_B = jnp.where(s.done, pad_id, token_B)  # finished rows no longer change
@@ -208,87 +210,19 @@ def _until_stop(tokens: np.ndarray, stops: tuple[int, ...]) -> list[int]:
   return out
 
 
-def load_sampler(checkpoint_dir: str) -> tuple[Sampler, "Tokenizer"]:  # noqa: F821
+def load_sampler(checkpoint_dir: str) -> tuple[Sampler, Tokenizer]:
   """A Sampler and the tokenizer of a checkpoint directory (from training or from convert --from_hf)."""
-  from llama_jax import checkpoint
-  from llama_jax.tokenizer import Tokenizer
-
   cfg = checkpoint.read_model_config(checkpoint_dir)
-  tokenizer_path = os.path.join(checkpoint_dir, checkpoint.TOKENIZER_FILE)
+  tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   if not os.path.isfile(tokenizer_path):
-    raise checkpoint.CheckpointError(f"{checkpoint_dir!r} has no {checkpoint.TOKENIZER_FILE}; sampling needs one")
+    raise checkpoint.CheckpointError(f"{checkpoint_dir!r} has no {TOKENIZER_FILE}; sampling needs one")
   _, params = checkpoint.load_params(checkpoint_dir)
   tokenizer = Tokenizer(tokenizer_path)
   return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id), tokenizer
 
 
-class _TextStream:
-  """Prints one row's text as tokens arrive (decoding the whole row each time, so multi-byte pieces come out whole)."""
-
-  def __init__(self, tokenizer, prompt_ids: list[int], stops: set[int]):
-    # Decoding prompt + continuation keeps the space the first new token carries (sentencepiece drops a leading one).
-    self.tokenizer, self.stops, self.ids, self.stopped = tokenizer, stops, list(prompt_ids), False
-    self.printed = tokenizer.decode(self.ids)
-    sys.stdout.write(self.printed)
-
-  def __call__(self, new_tokens: np.ndarray, done: np.ndarray) -> None:
-    for token in new_tokens[0].tolist():
-      if self.stopped or token in self.stops:
-        self.stopped = True
-        break
-      self.ids.append(token)
-    text = self.tokenizer.decode(self.ids)
-    if text.startswith(self.printed):
-      sys.stdout.write(text[len(self.printed):])
-      sys.stdout.flush()
-      self.printed = text
-
-
-def chat_session(sampler: Sampler, tokenizer, *, system: str | None, sampling: SamplingConfig, max_new_tokens: int,
-                 seed: int, turns, interactive: bool) -> None:
-  """A multi-turn chat: each user turn from `turns` (an iterator of lines) gets a reply, with the whole history in
-  the LLaMA 2 template. When history and reply would overflow max_seq_len, the oldest exchanges are dropped, with a
-  notice on stderr. Interactive sessions stream the reply."""
-  from llama_jax import chat
-
-  history: list[dict] = []
-  for turn_index, line in enumerate(turns):
-    user = line.strip()
-    if not user:
-      continue
-    messages = ([{"role": "system", "content": system}] if system else []) + history + [
-        {"role": "user", "content": user}]
-    encoded = chat.encode_dialog(tokenizer, messages, max_len=sampler.cfg.max_seq_len - max_new_tokens)
-    if encoded.dropped_exchanges:
-      history = history[2 * encoded.dropped_exchanges:]
-      print(f"[context window full: dropped the oldest {encoded.dropped_exchanges} exchange(s)]", file=sys.stderr)
-    if encoded.truncated:
-      print("[this message is longer than the context window: its beginning was cut]", file=sys.stderr)
-    if interactive:
-      printer = _TextStream(tokenizer, [], {tokenizer.eos_id})
-      reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index, chunk=8,
-                                   on_tokens=printer)[0]
-      sys.stdout.write("\n")
-    else:
-      reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index)[0]
-      print(" ".join(tokenizer.decode(reply_ids).split()), flush=True)  # one line per reply, for scripts
-    history += [{"role": "user", "content": user}, {"role": "assistant", "content": tokenizer.decode(reply_ids)}]
-
-
-def _interactive_turns():
-  while True:
-    try:
-      yield input("> ")
-    except EOFError:
-      return
-
-
 def main(argv: list[str] | None = None) -> int:
-  from llama_jax import checkpoint
-  from llama_jax.config import ConfigError
-  from llama_jax.tokenizer import TokenizerError
-
-  parser = argparse.ArgumentParser(prog="python -m llama_jax.sample", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m llama_jax.sample", description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)")
   parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
   parser.add_argument("--prompt_file", help="a file with one prompt per line")
@@ -303,48 +237,57 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--stream", choices=("auto", "yes", "no"), default="auto",
                       help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)")
   args = parser.parse_args(argv)
-  try:
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    if args.max_new_tokens < 1:
-      raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
-    if args.chat:
-      sampler, tokenizer = load_sampler(args.checkpoint)
-      if args.max_new_tokens >= sampler.cfg.max_seq_len:
-        raise SampleError(f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
-                          f"max_seq_len {sampler.cfg.max_seq_len}; use at most {sampler.cfg.max_seq_len // 2}")
-      interactive = sys.stdin.isatty()
-      chat_session(sampler, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                   seed=args.seed, turns=_interactive_turns() if interactive else sys.stdin, interactive=interactive)
-      return 0
-    prompts = list(args.prompt)
-    if args.prompt_file:
-      if not os.path.isfile(args.prompt_file):
-        raise SampleError(f"prompt file {args.prompt_file!r} does not exist")
-      with open(args.prompt_file, encoding="utf-8") as f:
-        prompts += [line.rstrip("\n") for line in f if line.strip()]
-    if not prompts:
-      raise SampleError("no prompt given: pass --prompt TEXT or --prompt_file F")
-    for i, prompt in enumerate(prompts):
-      if not prompt.strip():
-        raise SampleError(f"prompt {i} is empty: prompts need some text")
-    sampler, tokenizer = load_sampler(args.checkpoint)
-    encoded = [tokenizer.encode(p, bos=True) for p in prompts]
-    sampler.validate(encoded, args.max_new_tokens)
-    stream = args.stream == "yes" or (args.stream == "auto" and sys.stdout.isatty() and len(prompts) == 1)
-    if stream:
-      printer = _TextStream(tokenizer, encoded[0], {tokenizer.eos_id})
-      sampler.generate(encoded, args.max_new_tokens, sampling, args.seed, chunk=8, on_tokens=printer)
-      sys.stdout.write("\n")
-      return 0
-    outputs = sampler.generate(encoded, args.max_new_tokens, sampling, args.seed)
-  except (SampleError, checkpoint.CheckpointError, TokenizerError, ConfigError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  if args.chat:
+    from llama_jax import chat_repl  # the REPL sits on top of this module
+
+    run_or_exit(chat_repl.main, args)
+  else:
+    run_or_exit(_complete_prompts, args)
+  return 0
+
+
+def _read_prompts(args) -> list[str]:
+  prompts = list(args.prompt)
+  if args.prompt_file:
+    if not os.path.isfile(args.prompt_file):
+      raise SampleError(f"prompt file {args.prompt_file!r} does not exist")
+    with open(args.prompt_file, encoding="utf-8") as f:
+      prompts += [line.rstrip("\n") for line in f if line.strip()]
+  if not prompts:
+    raise SampleError("no prompt given: pass --prompt TEXT or --prompt_file F")
+  for i, prompt in enumerate(prompts):
+    if not prompt.strip():
+      raise SampleError(f"prompt {i} is empty: prompts need some text")
+  return prompts
+
+
+def sampling_from_args(args) -> SamplingConfig:
+  """The sampling flags of the CLI (plain and chat), checked once."""
+  sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+  if args.max_new_tokens < 1:
+    raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
+  return sampling
+
+
+def _complete_prompts(args) -> None:
+  """Each prompt and its continuation; one prompt on a terminal streams."""
+  from llama_jax.chat_repl import TextStream
+
+  sampling = sampling_from_args(args)
+  prompts = _read_prompts(args)
+  sampler, tokenizer = load_sampler(args.checkpoint)
+  encoded = [tokenizer.encode(p, bos=True) for p in prompts]
+  sampler.validate(encoded, args.max_new_tokens)
+  if args.stream == "yes" or (args.stream == "auto" and sys.stdout.isatty() and len(prompts) == 1):
+    printer = TextStream(tokenizer, encoded[0], {tokenizer.eos_id})
+    sampler.generate(encoded, args.max_new_tokens, sampling, args.seed, chunk=8, on_tokens=printer)
+    sys.stdout.write("\n")
+    return
+  outputs = sampler.generate(encoded, args.max_new_tokens, sampling, args.seed)
   for prompt_ids, output in zip(encoded, outputs):
     if len(prompts) > 1:
       print("-" * 40)
     print(tokenizer.decode(prompt_ids + output))
-  return 0
 
 
 if __name__ == "__main__":

@@ -9,9 +9,7 @@ under ``jax.jit(out_shardings=...)``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -21,75 +19,43 @@ from flax.core import spmd as flax_spmd
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from llama_jax.config import MESH_AXES, ConfigError, MeshConfig
+from llama_jax.errors import LlamaJaxError
+
 Rules = Sequence[tuple[str, Any]]
 
-_log = logging.getLogger(__name__)
 
-
-class ShardingError(ValueError):
+class ShardingError(LlamaJaxError, ValueError):
   """The mesh does not fit the devices or the model; the message names the values."""
 
 
-def maybe_initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                                 process_id: int | None = None) -> None:
-  """Joins a multi-process JAX job when the arguments or the environment describe one; a no-op on a single host.
-
-  Recognised: explicit arguments (the train CLI's --coordinator_address/--num_processes/--process_id), the same three
-  as JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, a multi-host Cloud TPU slice
-  (TPU_WORKER_HOSTNAMES lists more than one host), SLURM or Open MPI jobs of more than one task (JAX reads those).
-  """
-  if jax.distributed.is_initialized():
-    return
-  env = os.environ
-  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
-  if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-    num_processes = _int_env("JAX_NUM_PROCESSES")
-  if process_id is None and env.get("JAX_PROCESS_ID"):
-    process_id = _int_env("JAX_PROCESS_ID")
-  explicit = (coordinator_address, num_processes, process_id)
-  if any(v is not None for v in explicit):
-    if None in explicit:
-      raise ShardingError(f"a multi-process run needs all of coordinator_address, num_processes and process_id; got "
-                          f"coordinator_address={coordinator_address!r}, num_processes={num_processes!r}, "
-                          f"process_id={process_id!r}")
-    if not 0 <= process_id < num_processes:
-      raise ShardingError(f"process_id must be in [0, num_processes={num_processes}), got {process_id}")
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
-  elif (len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
-        or int(env.get("SLURM_NTASKS", "1") or 1) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1):
-    jax.distributed.initialize()  # JAX detects the cluster's coordinator, size and rank itself
-  else:
-    return
-  _log.info("process %d of %d joined the distributed job", jax.process_index(), jax.process_count())
-
-
-def _int_env(name: str) -> int:
+def mesh_config(mesh: MeshConfig | Mapping[str, int]) -> MeshConfig:
+  """A checked MeshConfig from a run config's mesh section or a plain mapping such as ``dict(fsdp=-1)``."""
+  if isinstance(mesh, MeshConfig):
+    return mesh
+  values = dict(mesh.to_dict() if hasattr(mesh, "to_dict") else mesh)
+  unknown = sorted(set(values) - set(MESH_AXES) - {"dcn_data"})
+  if unknown:
+    raise ShardingError(f"unknown mesh axes {unknown}; the mesh axes are {', '.join(MESH_AXES)} (and dcn_data)")
   try:
-    return int(os.environ[name])
-  except ValueError:
-    raise ShardingError(f"{name} must be an integer, got {os.environ[name]!r}") from None
+    return MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **values})
+  except ConfigError as e:
+    raise ShardingError(str(e)) from None
 
 
-def resolve_mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int, int, int]:
+def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> tuple[int, int, int]:
   """Global (data, fsdp, tensor) sizes, one -1 replaced by the devices the other axes leave.
 
   `dcn_data` (default 1) is the number of slices (multi-slice TPU, or hosts joined by a slower network) that the data
-  axis spans: the data axis is dcn_data × data, and the -1 is resolved within one slice.
+  axis spans: the data axis is dcn_data × data, and the -1 is resolved within one slice. Axes missing from a plain
+  mapping are 1.
   """
-  unknown = sorted(set(mesh_cfg) - set(MESH_AXES) - {"dcn_data"})
-  if unknown:
-    raise ShardingError(f"unknown mesh axes {unknown}; the mesh axes are {', '.join(MESH_AXES)} (and dcn_data)")
-  dcn = int(mesh_cfg.get("dcn_data", 1))
-  if dcn < 1 or n_devices % dcn:
+  mesh = mesh_config(mesh)
+  dcn = mesh.dcn_data
+  if n_devices % dcn:
     raise ShardingError(f"mesh.dcn_data must be a positive integer that divides the {n_devices} devices, got {dcn}")
   per_slice = n_devices // dcn
-  sizes = [int(mesh_cfg.get(axis, 1)) for axis in MESH_AXES]
-  for axis, size in zip(MESH_AXES, sizes):
-    if size == 0 or size < -1:
-      raise ShardingError(f"mesh.{axis} must be a positive integer or -1 (the rest of the devices), got {size}")
-  if sizes.count(-1) > 1:
-    raise ShardingError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
+  sizes = [getattr(mesh, axis) for axis in MESH_AXES]
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
     if per_slice % known:
@@ -103,11 +69,11 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int
   return dcn * sizes[0], sizes[1], sizes[2]
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), axis types Auto."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices))
-  dcn = int(mesh_cfg.get("dcn_data", 1))
+  dcn = mesh_config(mesh_cfg).dcn_data
   # Auto axes: the compiler propagates shardings from parameters and constraints (Explicit would demand
   # out_sharding on every gather).
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
@@ -188,9 +154,30 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Rules) -> Any:
 
 
 def abstract_model(model_cls, cfg, seed: int = 0):
-  """(graphdef, abstract state) of a model without allocating a parameter."""
+  """(graphdef, abstract nnx state) of a model without allocating a parameter; variables keep their logical axes."""
   abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(seed)))
   return nnx.split(abstract)
+
+
+def abstract_params(model_cls, cfg, mesh: Mesh | None = None, rules: Rules = (), seed: int = 0):
+  """(graphdef, params as a plain nested dict of ShapeDtypeStructs), nothing allocated; under a mesh each carries its
+  NamedSharding from the logical axes (an axis the mesh does not divide is refused by parameter name), without one
+  none.
+
+  The one abstract-state builder: the trainer's state and shardings, checkpoint restore targets, evaluation and the
+  memory planner all start from it, so they cannot disagree on a shape, a dtype or a sharding.
+  """
+  graphdef, abstract_state = abstract_model(model_cls, cfg, seed)
+  shapes = nnx.to_pure_dict(abstract_state)
+  if mesh is None:
+    return graphdef, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
+  shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh, rules))
+  return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
+def shardings_of(abstract_tree: Any) -> Any:
+  """The sharding of every leaf of a tree of ShapeDtypeStructs (e.g. from `abstract_params`)."""
+  return jax.tree.map(lambda a: a.sharding, abstract_tree)
 
 
 def init_model(model_cls, cfg, mesh: Mesh, rules: Rules, seed: int = 0):

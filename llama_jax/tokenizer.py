@@ -10,7 +10,6 @@ sentencepiece uses that character to stand for spaces.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import dataclasses
 import glob
@@ -24,13 +23,15 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from llama_jax.errors import ArgumentParser, LlamaJaxError, run_or_exit
+
 logger = logging.getLogger(__name__)
 
-MODEL_FILE = "tokenizer.model"
+TOKENIZER_FILE = "tokenizer.model"  # its name in a tokenizer output directory and in checkpoint directories
 _SPACE = "\u2581"  # "▁": sentencepiece's stand-in for a space inside pieces
 
 
-class TokenizerError(ValueError):
+class TokenizerError(LlamaJaxError, ValueError):
   """Bad tokenizer input; the message names the file or value and, where there is one, the fix."""
 
 
@@ -358,25 +359,21 @@ def corpus_stats(tokenizer: Tokenizer, inputs: Sequence[str], batch_lines: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m llama_jax.tokenizer", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m llama_jax.tokenizer", description=__doc__.split("\n\n")[0])
   parser.add_argument("--input", nargs="+", required=True, metavar="PATHS",
                       help="text files, directories (every file below) or glob patterns")
   parser.add_argument("--vocab_size", type=int, required=True, help="number of tokens, e.g. 32000")
-  parser.add_argument("--out", required=True, metavar="DIR", help=f"directory to write {MODEL_FILE} to")
-  parser.add_argument("--overwrite", action="store_true", help=f"replace an existing DIR/{MODEL_FILE}")
+  parser.add_argument("--out", required=True, metavar="DIR", help=f"directory to write {TOKENIZER_FILE} to")
+  parser.add_argument("--overwrite", action="store_true", help=f"replace an existing DIR/{TOKENIZER_FILE}")
   parser.add_argument("--num_threads", type=int, default=os.cpu_count() or 2, help="sentencepiece trainer threads")
   parser.add_argument("--verbose", action="store_true", help="show sentencepiece's training log")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
-  try:
-    files = expand_inputs(args.input)
-    model_path = train_tokenizer(files, args.vocab_size, args.out, num_threads=args.num_threads,
-                                 overwrite=args.overwrite, verbose=args.verbose)
-    tokenizer = Tokenizer(model_path)
-    stats = corpus_stats(tokenizer, files)
-  except TokenizerError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  files = run_or_exit(expand_inputs, args.input)
+  model_path = run_or_exit(train_tokenizer, files, args.vocab_size, args.out, num_threads=args.num_threads,
+                           overwrite=args.overwrite, verbose=args.verbose)
+  tokenizer = Tokenizer(model_path)
+  stats = run_or_exit(corpus_stats, tokenizer, files)
   print(f"wrote {model_path}")
   print(f"vocab size: {tokenizer.vocab_size}")
   print(f"replaced bytes: {stats.replaced_bytes} (not valid UTF-8, read as U+FFFD)")

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llama_jax import chat, data
+from llama_jax import chat, chat_data, data
 from llama_jax.config import ModelConfig
 from llama_jax.model import Llama
 from llama_jax.tokenizer import Tokenizer
-from llama_jax.train import token_losses
+from llama_jax.loss import token_losses
 from tests.conftest import ROOT, needs_shakespeare
 
 META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
@@ -94,13 +94,13 @@ def test_bad_lines_are_reported_with_file_and_line_then_skipped_or_stopped(tmp_p
       good, '{"messages": [', {"messages": [{"role": "boss", "content": "x"}]},
       {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]},
       {"messages": [{"role": "user", "content": "x"}]}, good])
-  conversations, problems = data.load_conversations([path], on_error="skip")
+  conversations, problems = chat_data.load_conversations([path], on_error="skip")
   assert len(conversations) == 2 and len(problems) == 4
   assert [p.split(": ", 1)[0] for p in problems] == [f"{path}:{n}" for n in (2, 3, 4, 5)]
   assert "malformed JSON" in problems[0] and "unknown role 'boss'" in problems[1]
   assert "empty content" in problems[2] and "no assistant turn" in problems[3]
   with pytest.raises(data.DataError, match=f"{path}:2: malformed JSON"):
-    data.load_conversations([path], on_error="stop")
+    chat_data.load_conversations([path], on_error="stop")
 
 
 def test_long_conversations_drop_the_oldest_exchanges_and_keep_the_last_answer(small_tokenizer):
@@ -136,7 +136,7 @@ def test_packed_conversations_give_the_logits_and_gradients_they_give_alone(smal
   tokenizer = Tokenizer(small_tokenizer)
   cfg, model = packed_model()
   convs = conversations_for_packing(tokenizer)
-  rows = data.pack_conversations(convs, seq_len=sum(len(c.tokens) - 1 for c in convs) + 5)
+  rows = chat_data.pack_conversations(convs, seq_len=sum(len(c.tokens) - 1 for c in convs) + 5)
   assert len(rows["inputs"]) == 1 and rows["segment_ids"].max() == 4  # all four share one row
   graphdef, params = nnx.split(model)
   packed = {k: jnp.asarray(v) for k, v in rows.items()}
@@ -151,7 +151,7 @@ def test_packed_conversations_give_the_logits_and_gradients_they_give_alone(smal
   alone_grads = None
   start = 0
   for conv in convs:
-    alone = {k: jnp.asarray(v) for k, v in data.pack_conversations([conv], seq_len=len(conv.tokens) - 1).items()}
+    alone = {k: jnp.asarray(v) for k, v in chat_data.pack_conversations([conv], seq_len=len(conv.tokens) - 1).items()}
     n = len(conv.tokens) - 1
     np.testing.assert_allclose(logits[0, start:start + n], np.asarray(model(alone["inputs"]))[0], atol=1e-5)
     g = grad(params, alone)
@@ -241,8 +241,8 @@ def test_init_from_another_model_shape_is_refused(pipeline, sft_corpus):
 
 
 def test_packaged_corpora_convert_to_conversations():
-  chitchat = list(data.iter_conversations(["chitchat"]))
+  chitchat = list(chat_data.iter_conversations(["chitchat"]))
   assert len(chitchat) > 5000
-  good, problems = data.load_conversations(["chatterbot:english,chinese"])
+  good, problems = chat_data.load_conversations(["chatterbot:english,chinese"])
   assert len(good) > 500 and any("我" in m["content"] for _, c in good for m in c)
   assert all(c[-1]["role"] == "assistant" for _, c in good)

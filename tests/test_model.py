@@ -89,7 +89,7 @@ def test_attention_matches_hf(n_kv_heads):
   positions = np.broadcast_to(np.arange(24), (2, 24))
   expected, _ = hf_attention(torch.tensor(x), position_embeddings=hf_rope(hf_model, torch.tensor(x), positions),
                              attention_mask=causal_mask(24))
-  got = ours(jnp.asarray(x), jnp.asarray(positions), None)[0]
+  got = ours(jnp.asarray(x), jnp.asarray(positions), None)
   np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), atol=COMPONENT_TOL, rtol=0)
 
 
@@ -114,7 +114,7 @@ def test_block_matches_hf(n_kv_heads):
   positions = np.broadcast_to(np.arange(24), (2, 24))
   expected = hf_model.model.layers[0](torch.tensor(x), attention_mask=causal_mask(24),
                                        position_embeddings=hf_rope(hf_model, torch.tensor(x), positions))
-  got = ours(jnp.asarray(x), jnp.asarray(positions), None)[0]
+  got = ours(jnp.asarray(x), jnp.asarray(positions), None)
   np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), atol=COMPONENT_TOL, rtol=0)
 
 

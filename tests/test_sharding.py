@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec
 
-from llama_jax import sharding
+from llama_jax import distributed, sharding
 from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES
 
 
@@ -45,8 +45,8 @@ def test_dcn_data_multiplies_the_data_axis_and_minus_one_fills_a_slice():
 def test_incomplete_multi_process_arguments_are_rejected(monkeypatch, kwargs, message):
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     monkeypatch.delenv(name, raising=False)
-  with pytest.raises(sharding.ShardingError) as excinfo:
-    sharding.maybe_initialize_distributed(**kwargs)
+  with pytest.raises(distributed.DistributedError) as excinfo:
+    distributed.maybe_initialize_distributed(**kwargs)
   assert message in str(excinfo.value)
 
 
@@ -67,7 +67,7 @@ def test_single_device_mesh_and_no_distributed_init_on_one_host(monkeypatch):
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES",
                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
     monkeypatch.delenv(name, raising=False)
-  sharding.maybe_initialize_distributed()
+  distributed.maybe_initialize_distributed()
   assert jax.process_count() == 1
   mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
   assert mesh.axis_names == ("data", "fsdp", "tensor") and mesh.size == jax.device_count()

@@ -13,7 +13,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from llama_jax import train as train_lib
 from tests.conftest import ROOT, needs_shakespeare
 
 pytestmark = needs_shakespeare
@@ -30,8 +29,8 @@ MICRO = [
 ]
 
 
-def run_train(workdir, tokenizer, *extra, env=None, check=True):
-  args = [sys.executable, "-m", "llama_jax.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
+def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):
+  args = [sys.executable, "-m", *module, "--config", "configs/tiny.py", "--workdir", str(workdir),
           f"--config.data.tokenizer={tokenizer}", *MICRO, *extra]
   result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, **(env or {})))
@@ -103,8 +102,8 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(uninterrupted, t
   accum, straight = uninterrupted
   workdir = tmp_path / "killed"
   # Dies right after the step-8 save starts; the step-4 checkpoint is complete.
-  killed = run_train(workdir, small_tokenizer, f"--config.train.grad_accum={accum}",
-                     env={train_lib.KILL_AFTER_SAVE_ENV: "8"}, check=False)
+  killed = run_train(workdir, small_tokenizer, f"--config.train.grad_accum={accum}", check=False,
+                     module=("tests.fault_injection", "8"))
   assert killed.returncode == -signal.SIGKILL
   complete = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
   assert complete and complete[-1] in (4, 8)
@@ -185,12 +184,12 @@ def test_incompatible_workdir_is_refused_and_left_untouched(straight_runs, small
 
 @pytest.mark.parametrize("override,fragments", [
     ("--config.data.sources=('/no/such/file.txt',)", ["'/no/such/file.txt' does not exist"]),
-    ("--config.train.seq_len=100000", ["corpus too small for one batch"]),
+    ("--config.train.seq_len=100000 --config.model.max_seq_len=100000", ["corpus too small for one batch"]),
     ("--config.model.vocab_size=100", ["the tokenizer has 512 tokens but model.vocab_size is 100"]),
     ("--config.train.hidden=3", ["unknown config key 'hidden'"]),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, small_tokenizer, override, fragments):
-  assert_one_line_error(run_train(tmp_path / "w", small_tokenizer, override, check=False), *fragments)
+  assert_one_line_error(run_train(tmp_path / "w", small_tokenizer, *override.split(), check=False), *fragments)
 
 
 def test_empty_source_and_oversized_vocab(tmp_path):

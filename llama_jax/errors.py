@@ -1,0 +1,47 @@
+"""The one error path of every ``python -m llama_jax.X``: a common base for errors a user can fix, and the wrapper
+that turns them into one line on stderr and exit status 2.
+
+Every module's user-facing error (``ConfigError``, ``DataError``, ``CheckpointError`` ...) derives from
+``LlamaJaxError`` and from ``ValueError`` (what such an error is in Python terms). A CLI's ``main`` runs its work
+through ``run_or_exit``; anything else (a bug) keeps its traceback.
+
+Argument parsing: commands that take a run config file (``train``, ``plan``, ``config``) use absl flags with
+ml_collections' ``config_flags``, the only parser that gives ``--config.train.lr=1e-3`` overrides of a Python config
+file; the others (``sample``, ``evaluate``, ``convert``, ``tokenizer``) use ``argparse`` through ``ArgumentParser``
+below, which keeps no global flag registry, so tests call their ``main(argv)`` in-process. Both report a bad flag as
+one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, NoReturn, TypeVar
+
+T = TypeVar("T")
+EXIT_USER_ERROR = 2
+
+
+class LlamaJaxError(Exception):
+  """An error the user can fix (a bad value, a missing file, a mismatch): the message names the value and the fix."""
+
+
+def exit_with_error(message: str) -> NoReturn:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(EXIT_USER_ERROR)
+
+
+def run_or_exit(fn: Callable[..., T], *args, **kwargs) -> T:
+  """fn(*args, **kwargs); a LlamaJaxError becomes ``error: <message>`` on stderr and exit status 2."""
+  try:
+    return fn(*args, **kwargs)
+  except LlamaJaxError as e:
+    exit_with_error(str(e))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse with the project's error style: a bad flag is one line on stderr and exit status 2 (argparse's own
+  error prints the whole usage first)."""
+
+  def error(self, message: str) -> NoReturn:
+    exit_with_error(f"{message} (see {self.prog} --help)")

@@ -1,0 +1,115 @@
+"""Training metrics out of the loop without stalling it: one line to stdout, ``metrics.jsonl`` and TensorBoard events
+in the workdir, from process 0 only.
+
+Train metrics are read one step late: a step's metrics stay on the device until the *next* step has been dispatched,
+so fetching them never leaves the device idle, and the line for a window of ``log_every`` steps is written one step
+after the window ends (loss averaged over the window; throughput and MFU from wall time between windows).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from etils import epath
+
+from llama_jax import checkpoint as checkpoint_lib
+from llama_jax.loss import perplexity
+
+_log = logging.getLogger(__name__)
+
+
+def append_line(path: str, line: str) -> None:
+  """Appends one line to a local or remote (gs://) file; object stores cannot append, so those are rewritten whole
+  (metrics files are small)."""
+  if checkpoint_lib.is_remote(path):
+    target = epath.Path(path)
+    target.write_text((target.read_text() if target.exists() else "") + line + "\n")
+    return
+  with open(path, "a") as f:
+    f.write(line + "\n")
+
+
+def format_value(value: float) -> str:
+  if isinstance(value, int) or (abs(value) >= 1000 and float(value).is_integer()):
+    return f"{int(value):,}"
+  return f"{value:.4g}"
+
+
+class MetricsWriter:
+  """Writes metrics of a step (`write`), and buffers each train step's device metrics to write them a step late
+  (`add_step`, `flush`). Disabled (everything a no-op) on processes other than 0."""
+
+  def __init__(self, workdir: str, enabled: bool, *, log_every: int, tokens_per_step: int, flops_per_step: float,
+               peak_flops: float, start_step: int, echo: Callable[[str], None] = functools.partial(print, flush=True)):
+    self.enabled, self.echo = enabled, echo
+    self._jsonl = os.path.join(workdir, "metrics.jsonl")
+    self._tensorboard = None
+    if enabled:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      except ImportError as e:  # tensorboardX itself, or google-cloud-storage for a gs:// workdir
+        _log.warning("no TensorBoard events: %s", e)
+    self._log_every, self._tokens_per_step = log_every, tokens_per_step
+    self._flops_per_step, self._peak_flops = flops_per_step, peak_flops
+    self._pending: list[tuple[int, dict[str, Any]]] = []  # (step, device metrics) not yet fetched
+    self._due: int | None = None  # a window that ended at this step, written once the next step is dispatched
+    self.last_train: dict[str, float] = {}
+    self.restart_clock(start_step)
+
+  def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
+    if not self.enabled:
+      return
+    append_line(self._jsonl, json.dumps({"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}))
+    if self._tensorboard is not None:
+      for key, value in metrics.items():
+        self._tensorboard.add_scalar(f"{prefix}{key}", value, step)
+      self._tensorboard.flush()
+    self.echo(f"step {step:>6d} | " + " | ".join(f"{prefix}{k} {format_value(v)}" for k, v in metrics.items()))
+
+  def add_step(self, step: int, device_metrics: dict[str, Any]) -> None:
+    """Step `step` has been dispatched: the window due at the step before is written now."""
+    self._pending.append((step, device_metrics))
+    if self._due is not None:
+      self._write_window(self._due)
+    if step % self._log_every == 0:
+      self._due = step
+
+  def flush(self) -> None:
+    """Writes the window that is due (before an evaluation, so lines stay in step order)."""
+    if self._due is not None:
+      self._write_window(self._due)
+
+  def finish(self) -> None:
+    """Writes whatever is left at the end of the run, a partial window included."""
+    if self._pending:
+      self._write_window(self._pending[-1][0])
+
+  def restart_clock(self, step: int) -> None:
+    """Throughput counts from here (after an evaluation: its time is not training throughput)."""
+    self._window_start, self._window_step = time.perf_counter(), step
+
+  def _write_window(self, until: int) -> None:
+    fetched = jax.device_get([m for s, m in self._pending if s <= until])
+    self._pending = [(s, m) for s, m in self._pending if s > until]
+    self._due = None
+    now = time.perf_counter()
+    elapsed, steps = now - self._window_start, until - self._window_step
+    loss = float(np.mean([m["loss"] for m in fetched]))
+    self.last_train = dict(
+        loss=loss, grad_norm=float(fetched[-1]["grad_norm"]), lr=float(fetched[-1]["lr"]),
+        tokens_per_s=self._tokens_per_step * steps / elapsed, step_time_s=elapsed / steps,
+        mfu=self._flops_per_step * steps / elapsed / self._peak_flops, perplexity=perplexity(loss))
+    self.write(until, self.last_train)
+    self._window_start, self._window_step = now, until
+
+  def close(self) -> None:
+    if self._tensorboard is not None:
+      self._tensorboard.close()
