@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import transformers
 from flax import nnx
+from timing import median_seconds
 
 from llama_jax import convert
 from llama_jax.config import ModelConfig
 from llama_jax.model import Llama
 from llama_jax.sample import Sampler
-from timing import median_seconds
 
 SHAPES = {
     "stories15M": ModelConfig(vocab_size=32000, dim=288, n_layers=6, n_heads=6, n_kv_heads=6, multiple_of=32,
@@ -62,14 +62,16 @@ def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int
   rows = []
   for batch in batches:
     prompts = np.random.RandomState(batch).randint(3, cfg.vocab_size, (batch, PROMPT_LEN))
-    generate = lambda: sampler.generate(prompts.tolist(), new_tokens)  # noqa: E731
+    def generate(prompts=prompts):
+      sampler.generate(prompts.tolist(), new_tokens)
+
     start = time.perf_counter()
     generate()
     first = time.perf_counter() - start
     jax_time = median_seconds(generate, repeats)
     inputs = torch.tensor(prompts)
 
-    def hf_generate():
+    def hf_generate(inputs=inputs):
       with torch.no_grad():
         hf_model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, use_cache=True,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import median_seconds
 
 from llama_jax import config as config_lib
 from llama_jax import flops, sharding, train
 from llama_jax.model import Llama
 from llama_jax.sample import Sampler
-from timing import median_seconds
 
 # TinyLlama 1.1B: 22 layers, GQA 32/4 heads, MLP 5632.
 TRAIN_1B = dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden_dim=5632)
@@ -85,7 +85,7 @@ def bench_decode(model: dict, batches: list[int], new_tokens: int, repeats: int)
     start = time.perf_counter()
     sampler.generate(prompts, new_tokens)
     first_s = time.perf_counter() - start
-    seconds = median_seconds(lambda: sampler.generate(prompts, new_tokens), warmup=0, repeats=repeats)
+    seconds = median_seconds(lambda prompts=prompts: sampler.generate(prompts, new_tokens), warmup=0, repeats=repeats)
     # A step reads the weights once and the filled part of the cache (on average half of it) per row.
     cache_bytes = 2 * cfg.n_layers * batch * (16 + new_tokens / 2) * cfg.n_kv_heads * cfg.head_dim * 2
     bound = bandwidth / 2 / (weight_bytes + cache_bytes)  # copy bandwidth counts bytes read and written

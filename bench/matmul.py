@@ -4,7 +4,8 @@
 
 Each shape MxKxN is x[M, K] · w[K, N] as a decode step runs it: a chain of products over distinct weight matrices
 (together at least `--mbytes`, so they come from memory, not cache), each product's input depending on all of the
-previous product's output (a product whose output went unused would be removed by XLA). llama_jax's way: one jitted `fori_loop` over the chain (no dispatch per product); also with each weight split
+previous product's output (a product whose output went unused would be removed by XLA). llama_jax's way: one
+jitted `fori_loop` over the chain (no dispatch per product); also with each weight split
 into two column blocks held as separate buffers (two independent products, which XLA:CPU can run on two cores at
 once). torch: `F.linear` over the same chain, 2 threads. Time per product, median of `--repeats`.
 """
@@ -18,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-
 from timing import median_seconds
 
 DEFAULT_SHAPES = "1x288x768,8x288x768,1x512x1536,8x512x1536,1x288x32000,8x288x32000"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def step_times(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:

@@ -28,17 +28,18 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from timing import step_times
 
 from llama_jax import config as config_lib
 from llama_jax import convert, flops, sharding, train
-from timing import step_times
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP_NORM = 3e-4, 0.9, 0.95, 1e-8, 0.1, 1.0
 

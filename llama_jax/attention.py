@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax import sharding
+from llama_jax.config import ATTENTION_IMPLS
 
 Array = jax.Array
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "cudnn", "splash")
+# Masked scores: a large finite value rather than -inf, so a fully masked row (padding) gives a uniform row, never NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of this many tokens
 MIN_CHUNK = 64  # "chunked": query rows per chunk (the fastest on XLA:CPU at T = 256 and 512) ...
 MAX_CHUNKS = 16  # ... or more, to keep the unrolled chunk loop at most this long
@@ -31,8 +33,8 @@ def choose_implementation(requested: str, backend: str, *, q_len: int, kv_len: i
                           has_segment_ids: bool, has_positions: bool) -> str:
   """The kernel that runs: the requested (or, for "auto", the backend's) accelerator kernel when it applies to these
   shapes, otherwise "xla". Explicit positions (a KV cache) always need the XLA path's positional mask."""
-  if requested not in IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {requested!r}")
+  if requested not in ATTENTION_IMPLS:
+    raise ValueError(f"attention implementation must be one of {', '.join(ATTENTION_IMPLS)}; got {requested!r}")
   if requested == "xla" or has_positions:
     return "xla"
   chunkable = q_len == kv_len and chunk_size(q_len) is not None
@@ -116,8 +118,7 @@ def xla_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids=
     visible_BTS = kv_positions[:, None, :] <= q_positions[:, :, None]
   if q_segment_ids is not None:
     visible_BTS = visible_BTS & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-  # A large finite value rather than -inf: a fully masked row (padding) then gives a uniform row, never NaN.
-  scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, -0.7 * jnp.finfo(jnp.float32).max)
+  scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
   probs_BKGTS = softmax(scores_BKGTS).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(batch, q_len, n_heads, head_dim)
@@ -136,7 +137,7 @@ def cached_attention(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, *, q_positions
                                     preferred_element_type=jnp.float32) * (1.0 / np.sqrt(head_dim))
   groups = n_heads // n_kv_heads
   visible_BQS = jnp.tile(kv_positions[:, None, :] <= q_positions[:, :, None], (1, groups, 1))
-  scores_BKQS = jnp.where(visible_BQS[:, None], scores_BKQS, -0.7 * jnp.finfo(jnp.float32).max)
+  scores_BKQS = jnp.where(visible_BQS[:, None], scores_BKQS, MASK_VALUE)
   probs_BKQS = jax.nn.softmax(scores_BKQS, axis=-1).astype(v_BKSH.dtype)
   out_BKQH = jax.lax.dot_general(probs_BKQS, v_BKSH, (((3,), (2,)), ((0, 1), (0, 1))))
   return out_BKQH.reshape(batch, n_kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(

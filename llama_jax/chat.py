@@ -13,7 +13,7 @@ Contents are stripped as Meta does. bos/eos are never produced from text: senten
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from llama_jax.errors import LlamaJaxError
 

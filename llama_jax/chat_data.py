@@ -16,14 +16,22 @@ import glob
 import hashlib
 import json
 import os
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grain
 import numpy as np
 
 from llama_jax import chat
-from llama_jax.data import (FORMAT_VERSION, DataError, in_validation, prepared_meta, process_batches,
-                            resolve_sources, write_meta)
+from llama_jax.data import (
+  FORMAT_VERSION,
+  DataError,
+  in_validation,
+  prepared_meta,
+  process_batches,
+  resolve_sources,
+  write_meta,
+)
 
 CHITCHAT = "chitchat"
 CHATTERBOT = "chatterbot"
@@ -176,7 +184,7 @@ def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int
   for split in ("train", "val"):
     chosen = [(loc, m) for loc, m in conversations if in_validation(loc, val_fraction, seed) == (split == "val")]
     encoded, too_long = [], 0
-    for location, messages in chosen:
+    for _, messages in chosen:
       try:
         encoded.append(chat.encode_dialog(tokenizer, messages, max_len=seq_len + 1))
       except chat.ConversationError:

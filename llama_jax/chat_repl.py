@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from llama_jax import chat
-from llama_jax.sample import Sampler, SampleError, SamplingConfig, load_sampler, sampling_from_args
+from llama_jax.sample import SampleError, Sampler, SamplingConfig, load_sampler, sampling_from_args
 
 
 class TextStream:

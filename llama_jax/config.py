@@ -20,7 +20,8 @@ import json
 import math
 import os
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from llama_jax.errors import LlamaJaxError
 
@@ -123,7 +124,7 @@ class ModelConfig:
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.n_layers * layer + d + head
 
-  def replace(self, **changes: Any) -> "ModelConfig":
+  def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class ModelConfig:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
   @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+  def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
     """Builds from a mapping (a ConfigDict's ``model`` field or saved JSON); unknown keys are an error."""
     values = dict(values)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -409,7 +410,7 @@ class RunConfig:
   SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
 
   @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "RunConfig":
+  def from_dict(cls, values: Mapping[str, Any]) -> RunConfig:
     """From a ConfigDict's ``to_dict()`` or a saved run_config.json; every unknown key is refused by name."""
     values = dict(values)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -429,7 +430,7 @@ class RunConfig:
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
-  def replace(self, **sections: Any) -> "RunConfig":
+  def replace(self, **sections: Any) -> RunConfig:
     """A copy with whole sections or fields replaced, checked again: ``replace(train=dict(steps=5))``."""
     changes = {k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, Mapping) else v
                for k, v in sections.items()}
@@ -483,6 +484,15 @@ def _override_hint(override: str) -> str:
   return _did_you_mean("", path[0], [f.name for f in dataclasses.fields(RunConfig)])
 
 
+def _flag_value(argv: list[str], name: str) -> str:
+  for i, arg in enumerate(argv):
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+  return "?"
+
+
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
   """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
   one-line error and exit status 2, instead of a traceback."""
@@ -502,6 +512,9 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
       key = str(cause.args[0] if cause.args else cause).split("\n")[0].strip("'\" ")
       hints = "".join(_override_hint(o) for o in overrides if f".{key}" in o.split("=")[0])
       what = f"unknown config key {key!r}{hints}"
+    elif "Traceback (most recent call last)" in str(cause):
+      # The config file itself raised (config_flags wraps the traceback): its last line says what went wrong.
+      exit_with_error(f"config file {_flag_value(argv, 'config')}: {str(cause).strip().splitlines()[-1]}")
     else:
       what = " ".join(str(cause).split())
     exit_with_error(f"bad flag or config override {overrides or argv[1:]}: {what}")

@@ -15,7 +15,8 @@ import glob
 import json
 import os
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open

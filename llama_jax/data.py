@@ -23,7 +23,8 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -241,7 +242,7 @@ class TokenWindows:
     self.tokens, self.seq_len = tokens, seq_len
 
   @classmethod
-  def open(cls, path: str, seq_len: int, dtype: str) -> "TokenWindows":
+  def open(cls, path: str, seq_len: int, dtype: str) -> TokenWindows:
     """Memory-maps a prepared split: nothing is read until a window is."""
     tokens = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
     return cls(tokens, seq_len)

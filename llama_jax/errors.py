@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2

@@ -12,7 +12,7 @@ import functools
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -12,7 +12,8 @@ import hashlib
 import json
 import os
 import signal
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ class Hook:
   every: int = 1  # 0: never after a step
   at_last: bool = False
 
-  def begin(self, loop: "TrainLoop") -> None:
+  def begin(self, loop: TrainLoop) -> None:
     pass
 
   def after_step(self, info: StepInfo) -> None:

@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,8 +48,8 @@ class MetricsWriter:
   (`add_step`, `flush`). Disabled (everything a no-op) on processes other than 0."""
 
   def __init__(self, workdir: str, enabled: bool, *, log_every: int, tokens_per_step: int, flops_per_step: float,
-               peak_flops: float, start_step: int, echo: Callable[[str], None] = functools.partial(print, flush=True)):
-    self.enabled, self.echo = enabled, echo
+               peak_flops: float, start_step: int, echo: Callable[[str], None] | None = None):
+    self.enabled, self.echo = enabled, echo or functools.partial(print, flush=True)
     self._jsonl = os.path.join(workdir, "metrics.jsonl")
     self._tensorboard = None
     if enabled:

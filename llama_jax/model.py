@@ -239,7 +239,7 @@ class KVCache:
   index: Array
 
   @classmethod
-  def empty(cls, cfg: ModelConfig, batch: int, length: int, per_layer: bool = False) -> "KVCache":
+  def empty(cls, cfg: ModelConfig, batch: int, length: int, per_layer: bool = False) -> KVCache:
     shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
     if per_layer:
       k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from etils import epath
 
-from llama_jax import chat_data
+from llama_jax import chat_data, distributed
 from llama_jax import checkpoint as checkpoint_lib
 from llama_jax import data as data_lib
-from llama_jax import distributed
 from llama_jax.config import RunConfig
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -147,7 +148,8 @@ class Sampler:
     self.pad_id = eos_id if pad_id is None or pad_id < 0 else pad_id
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
 
-  @functools.lru_cache(maxsize=32)
+  # Cached per sampler (the cache holding `self` is intended: a sampler lives as long as its compiled programs).
+  @functools.lru_cache(maxsize=32)  # noqa: B019
   def _compiled(self, sampling: SamplingConfig, max_new_tokens: int, stop_ids: tuple[int, ...]):
     prefill_fn = jax.jit(functools.partial(prefill, graphdef=self.graphdef, sampling=sampling,
                                            max_new_tokens=max_new_tokens, stop_ids=stop_ids), donate_argnums=(3,))

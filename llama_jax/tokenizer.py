@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import sys
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm

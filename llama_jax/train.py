@@ -14,7 +14,8 @@ import logging
 import math
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,17 @@ from llama_jax.chat_data import SFT_KEYS
 from llama_jax.config import ModelConfig, RunConfig
 from llama_jax.errors import run_or_exit
 from llama_jax.flops import flops_per_token, peak_flops_per_device
-from llama_jax.loop import (CheckpointHook, EvalHook, Hook, MetricsHook, PreemptionHook, ProfileHook, ProgressHook,
-                            RecordBatchesHook, TrainLoop)
+from llama_jax.loop import (
+  CheckpointHook,
+  EvalHook,
+  Hook,
+  MetricsHook,
+  PreemptionHook,
+  ProfileHook,
+  ProgressHook,
+  RecordBatchesHook,
+  TrainLoop,
+)
 from llama_jax.loss import eval_step, summarize_eval, token_losses
 from llama_jax.metrics import MetricsWriter
 from llama_jax.model import Llama

@@ -107,8 +107,12 @@ def test_chunked_attention_equals_xla_forward_and_backward_with_segments(remat):
   def loss(fn):
     return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
 
-  chunked = lambda q, k, v: attention.chunked_attention(q, k, v, segment_ids=segment_ids, chunk=16, remat=remat)
-  xla = lambda q, k, v: attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  def chunked(q, k, v):
+    return attention.chunked_attention(q, k, v, segment_ids=segment_ids, chunk=16, remat=remat)
+
+  def xla(q, k, v):
+    return attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+
   np.testing.assert_allclose(chunked(q, k, v), xla(q, k, v), atol=1e-6)
   for a, b in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
     np.testing.assert_allclose(a, b, atol=2e-5)

@@ -14,9 +14,9 @@ from flax import nnx
 
 from llama_jax import chat, chat_data, data
 from llama_jax.config import ModelConfig
+from llama_jax.loss import token_losses
 from llama_jax.model import Llama
 from llama_jax.tokenizer import Tokenizer
-from llama_jax.loss import token_losses
 from tests.conftest import ROOT, needs_shakespeare
 
 META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")

@@ -14,7 +14,7 @@ from flax import nnx
 from llama_jax import checkpoint, convert
 from llama_jax.config import ModelConfig
 from llama_jax.model import KVCache, Llama, unstack_layers
-from llama_jax.sample import Sampler, SamplingConfig, SampleError, filter_logits, next_token
+from llama_jax.sample import SampleError, Sampler, SamplingConfig, filter_logits, next_token
 from tests import hf_utils
 from tests.conftest import ROOT
 

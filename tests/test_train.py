@@ -108,7 +108,7 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(uninterrupted, t
   complete = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
   assert complete and complete[-1] in (4, 8)
   resumed = run_train(workdir, small_tokenizer, f"--config.train.grad_accum={accum}")
-  assert "steps %d → 12" % complete[-1] in resumed.stdout
+  assert f"steps {complete[-1]} → 12" in resumed.stdout
   assert_bit_identical(final_checkpoint(straight, 12), final_checkpoint(workdir, 12))
   # The same batches in the same order: every step's batch digest equals the uninterrupted run's.
   assert batches_by_step(workdir) == batches_by_step(straight)
@@ -206,3 +206,32 @@ def test_empty_source_and_oversized_vocab(tmp_path):
                                   "--config.data.vocab_size=5000"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
   assert_one_line_error(result, "vocab_size 5000 is larger than this corpus supports")
+
+
+def test_profile_steps_write_a_trace_for_tensorboard(tmp_path, small_tokenizer):
+  workdir = tmp_path / "profiled"
+  run_train(workdir, small_tokenizer, "--config.train.steps=4", "--config.train.eval_every=0",
+            "--config.train.profile_steps=(2,2)")
+  runs = list((workdir / "profile" / "plugins" / "profile").iterdir())
+  assert len(runs) == 1  # one trace: steps 2 and 3
+  names = [p.name for p in runs[0].iterdir()]
+  assert any(n.endswith(".xplane.pb") for n in names) and any(n.endswith(".trace.json.gz") for n in names), names
+
+
+def test_train_step_carries_named_scopes_for_profiles():
+  """Trainer.lower(): the compiled step's ops are named by model part (what a profile groups them by)."""
+  import re
+
+  from llama_jax import config as config_lib
+  from llama_jax import sharding
+  from llama_jax.train import Trainer
+
+  run_config = config_lib.RunConfig().replace(
+      model=dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=32),
+      train=dict(batch_size=2, seq_len=32))
+  trainer = Trainer(run_config.model, run_config, sharding.make_mesh(dict(data=1, fsdp=1, tensor=1),
+                                                                     jax.devices()[:1]))
+  op_names = set(re.findall(r'loc\("([^"]*)"', trainer.lower().as_text(debug_info=True)))
+  for scope in ("attention", "mlp", "norm", "loss"):
+    # "attention/dot_general", "jit(train_step)/jvp(loss)/reduce_max": the scope, under any transformation.
+    assert any(re.search(rf"(^|/|\(){scope}(\)|/)", name) for name in op_names), (scope, sorted(op_names)[:20])
