@@ -28,10 +28,10 @@ from llama_jax.model import Llama
 from llama_jax.sample import Sampler
 
 SHAPES = {
-    "stories15M": ModelConfig(vocab_size=32000, dim=288, n_layers=6, n_heads=6, n_kv_heads=6, multiple_of=32,
-                              max_seq_len=512, tie_embeddings=True),
-    "gqa": ModelConfig(vocab_size=4096, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256,
-                       max_seq_len=1024),
+  "stories15M": ModelConfig(
+    vocab_size=32000, dim=288, n_layers=6, n_heads=6, n_kv_heads=6, multiple_of=32, max_seq_len=512, tie_embeddings=True
+  ),
+  "gqa": ModelConfig(vocab_size=4096, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256, max_seq_len=1024),
 }
 PROMPT_LEN = 16
 
@@ -50,10 +50,12 @@ def copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)))))
-  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(
-      convert.hf_config_from_model_config(cfg))).eval()
-  hf_model.load_state_dict({k: torch.from_numpy(v) for k, v in convert.hf_from_params(params, cfg).items()},
-                           strict=False)
+  hf_model = transformers.LlamaForCausalLM(
+    transformers.LlamaConfig.from_dict(convert.hf_config_from_model_config(cfg))
+  ).eval()
+  hf_model.load_state_dict(
+    {k: torch.from_numpy(v) for k, v in convert.hf_from_params(params, cfg).items()}, strict=False
+  )
   hf_model.generation_config.eos_token_id = None
   sampler = Sampler(cfg, jax.device_put(params), eos_id=-1)
   weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
@@ -62,6 +64,7 @@ def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int
   rows = []
   for batch in batches:
     prompts = np.random.RandomState(batch).randint(3, cfg.vocab_size, (batch, PROMPT_LEN))
+
     def generate(prompts=prompts):
       sampler.generate(prompts.tolist(), new_tokens)
 
@@ -73,14 +76,30 @@ def bench_shape(name: str, cfg: ModelConfig, batches: list[int], new_tokens: int
 
     def hf_generate(inputs=inputs):
       with torch.no_grad():
-        hf_model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, use_cache=True,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        hf_model.generate(
+          inputs,
+          attention_mask=torch.ones_like(inputs),
+          do_sample=False,
+          use_cache=True,
+          max_new_tokens=new_tokens,
+          min_new_tokens=new_tokens,
+          pad_token_id=0,
+        )
 
     hf_generate()
     hf_time = median_seconds(hf_generate, repeats)
-    rows.append(dict(shape=name, batch=batch, new_tokens=new_tokens, jax_tokens_per_s=batch * new_tokens / jax_time,
-                     hf_tokens_per_s=batch * new_tokens / hf_time, ratio=hf_time / jax_time,
-                     compile_s=first - jax_time, step_mb=step_bytes / 1e6))
+    rows.append(
+      dict(
+        shape=name,
+        batch=batch,
+        new_tokens=new_tokens,
+        jax_tokens_per_s=batch * new_tokens / jax_time,
+        hf_tokens_per_s=batch * new_tokens / hf_time,
+        ratio=hf_time / jax_time,
+        compile_s=first - jax_time,
+        step_mb=step_bytes / 1e6,
+      )
+    )
   return rows
 
 
@@ -98,15 +117,21 @@ def main() -> None:
   rows = []
   for name in args.shapes.split(","):
     rows += bench_shape(name, SHAPES[name], [int(b) for b in args.batches.split(",")], args.new_tokens, args.repeats)
-  print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-  print("| shape | batch | llama_jax tok/s | transformers tok/s | ratio | compile s | weights read/step MB | "
-        "batch-1 bound tok/s |")
+  print(
+    f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
+    f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+  )
+  print(
+    "| shape | batch | llama_jax tok/s | transformers tok/s | ratio | compile s | weights read/step MB | "
+    "batch-1 bound tok/s |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     r["bandwidth_bound_tokens_per_s"] = bandwidth / (r["step_mb"] * 1e6)
-    print(f"| {r['shape']} | {r['batch']} | {r['jax_tokens_per_s']:.0f} | {r['hf_tokens_per_s']:.0f} | "
-          f"{r['ratio']:.2f}× | {r['compile_s']:.1f} | {r['step_mb']:.1f} | {r['bandwidth_bound_tokens_per_s']:.0f} |")
+    print(
+      f"| {r['shape']} | {r['batch']} | {r['jax_tokens_per_s']:.0f} | {r['hf_tokens_per_s']:.0f} | "
+      f"{r['ratio']:.2f}× | {r['compile_s']:.1f} | {r['step_mb']:.1f} | {r['bandwidth_bound_tokens_per_s']:.0f} |"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(bandwidth_bytes_per_s=bandwidth, rows=rows), f, indent=2)

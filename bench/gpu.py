@@ -66,9 +66,18 @@ def bench_train(model: dict, batch: int, seq_len: int, remat: str, steps: int) -
   seconds = median_seconds(step, warmup=2, repeats=steps)
   tokens_per_s = batch * seq_len / seconds
   peak = flops.peak_flops_per_device(0.0)
-  return dict(params=model_cfg.num_params(), batch=batch, seq_len=seq_len, remat=remat,
-              attention=model_cfg.attention, step_s=seconds, tokens_per_s=tokens_per_s, compile_s=compile_s,
-              mfu=flops.flops_per_token(model_cfg, seq_len) * tokens_per_s / peak, peak_flops=peak)
+  return dict(
+    params=model_cfg.num_params(),
+    batch=batch,
+    seq_len=seq_len,
+    remat=remat,
+    attention=model_cfg.attention,
+    step_s=seconds,
+    tokens_per_s=tokens_per_s,
+    compile_s=compile_s,
+    mfu=flops.flops_per_token(model_cfg, seq_len) * tokens_per_s / peak,
+    peak_flops=peak,
+  )
 
 
 def bench_decode(model: dict, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
@@ -90,9 +99,18 @@ def bench_decode(model: dict, batches: list[int], new_tokens: int, repeats: int)
     cache_bytes = 2 * cfg.n_layers * batch * (16 + new_tokens / 2) * cfg.n_kv_heads * cfg.head_dim * 2
     bound = bandwidth / 2 / (weight_bytes + cache_bytes)  # copy bandwidth counts bytes read and written
     tokens_per_s = batch * new_tokens / seconds
-    rows.append(dict(batch=batch, tokens_per_s=tokens_per_s, steps_per_s=new_tokens / seconds,
-                     bound_steps_per_s=bound, of_bound=new_tokens / seconds / bound, first_call_s=first_s,
-                     weight_bytes=weight_bytes, copy_bandwidth=bandwidth))
+    rows.append(
+      dict(
+        batch=batch,
+        tokens_per_s=tokens_per_s,
+        steps_per_s=new_tokens / seconds,
+        bound_steps_per_s=bound,
+        of_bound=new_tokens / seconds / bound,
+        first_call_s=first_s,
+        weight_bytes=weight_bytes,
+        copy_bandwidth=bandwidth,
+      )
+    )
   return rows
 
 
@@ -115,15 +133,18 @@ def main() -> None:
     decoding = bench_decode(SMOKE_DECODE, [1, 2], new_tokens=8, repeats=2)
   else:
     training = bench_train(TRAIN_1B, args.train_batch, args.seq_len, args.remat, steps=args.repeats)
-    decoding = bench_decode(DECODE_7B, [int(b) for b in args.decode_batches.split(",")], args.new_tokens,
-                            args.repeats)
-  print(f"train: {training['params']:,} params, {training['batch']} × {training['seq_len']} tokens, "
-        f"remat {training['remat']}: {training['tokens_per_s']:,.0f} tokens/s, step {training['step_s'] * 1e3:.0f} ms, "
-        f"MFU {training['mfu']:.1%} of {training['peak_flops'] / 1e9:,.0f} GFLOP/s (compile {training['compile_s']:.0f} s)")
+    decoding = bench_decode(DECODE_7B, [int(b) for b in args.decode_batches.split(",")], args.new_tokens, args.repeats)
+  print(
+    f"train: {training['params']:,} params, {training['batch']} × {training['seq_len']} tokens, "
+    f"remat {training['remat']}: {training['tokens_per_s']:,.0f} tokens/s, step {training['step_s'] * 1e3:.0f} ms, "
+    f"MFU {training['mfu']:.1%} of {training['peak_flops'] / 1e9:,.0f} GFLOP/s (compile {training['compile_s']:.0f} s)"
+  )
   for row in decoding:
-    print(f"decode batch {row['batch']}: {row['tokens_per_s']:,.1f} tokens/s ({row['steps_per_s']:.1f} steps/s, "
-          f"{row['of_bound']:.0%} of the {row['bound_steps_per_s']:.0f} steps/s bandwidth bound; first call "
-          f"{row['first_call_s']:.1f} s)")
+    print(
+      f"decode batch {row['batch']}: {row['tokens_per_s']:,.1f} tokens/s ({row['steps_per_s']:.1f} steps/s, "
+      f"{row['of_bound']:.0%} of the {row['bound_steps_per_s']:.0f} steps/s bandwidth bound; first call "
+      f"{row['first_call_s']:.1f} s)"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=device.device_kind, train=training, decode=decoding), f, indent=2)

@@ -35,12 +35,14 @@ def jax_chain(blocks_per_weight: list[list[jax.Array]], m: int, k: int, repeats:
         y = jnp.concatenate([x @ block for block in blocks], axis=-1)
         x = x + y.sum(axis=-1, keepdims=True) * 1e-6  # the next product depends on all of this one
       return x
+
     return jax.lax.fori_loop(0, ROUNDS, one_pass, x)
 
   x = jnp.ones((m, k), jnp.float32)
   run(x, blocks_per_weight).block_until_ready()
   return median_seconds(lambda: run(x, blocks_per_weight).block_until_ready(), repeats) / (
-      ROUNDS * len(blocks_per_weight))
+    ROUNDS * len(blocks_per_weight)
+  )
 
 
 def torch_chain(weights: list[np.ndarray], m: int, k: int, repeats: int) -> float:
@@ -57,7 +59,6 @@ def torch_chain(weights: list[np.ndarray], m: int, k: int, repeats: int) -> floa
 
   run()
   return median_seconds(run, repeats) / (ROUNDS * len(linear))
-
 
 
 def main() -> None:
@@ -77,20 +78,28 @@ def main() -> None:
     count = max(2, int(np.ceil(args.mbytes / mbytes)))
     weights = [(rng.randn(k, n) * 0.02).astype(np.float32) for _ in range(count)]
     one = jax_chain([[jnp.asarray(w)] for w in weights], m, k, args.repeats)
-    halves = jax_chain([[jnp.asarray(w[:, :n // 2]), jnp.asarray(w[:, n // 2:])] for w in weights], m, k,
-                       args.repeats)
+    halves = jax_chain(
+      [[jnp.asarray(w[:, : n // 2]), jnp.asarray(w[:, n // 2 :])] for w in weights], m, k, args.repeats
+    )
     ref = torch_chain(weights, m, k, args.repeats)
-    rows.append(dict(shape=spec, weight_mb=mbytes, chain=count, jax_ms=one * 1e3, jax_two_blocks_ms=halves * 1e3,
-                     torch_ms=ref * 1e3))
+    rows.append(
+      dict(
+        shape=spec, weight_mb=mbytes, chain=count, jax_ms=one * 1e3, jax_two_blocks_ms=halves * 1e3, torch_ms=ref * 1e3
+      )
+    )
   print(f"jax {jax.__version__}, torch {torch.__version__} ({args.threads} threads); ms per product, GB/s of weights")
-  print("| M×K×N | weight MB | chain | llama_jax (XLA) ms | GB/s | two column blocks ms | GB/s | torch ms | GB/s | "
-        "torch ÷ XLA |")
+  print(
+    "| M×K×N | weight MB | chain | llama_jax (XLA) ms | GB/s | two column blocks ms | GB/s | torch ms | GB/s | "
+    "torch ÷ XLA |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['shape']} | {r['weight_mb']:.1f} | {r['chain']} | {r['jax_ms']:.3f} | "
-          f"{r['weight_mb'] / r['jax_ms']:.1f} | {r['jax_two_blocks_ms']:.3f} | "
-          f"{r['weight_mb'] / r['jax_two_blocks_ms']:.1f} | {r['torch_ms']:.3f} | {r['weight_mb'] / r['torch_ms']:.1f} | "
-          f"{r['torch_ms'] / r['jax_ms']:.2f}× |")
+    print(
+      f"| {r['shape']} | {r['weight_mb']:.1f} | {r['chain']} | {r['jax_ms']:.3f} | "
+      f"{r['weight_mb'] / r['jax_ms']:.1f} | {r['jax_two_blocks_ms']:.3f} | "
+      f"{r['weight_mb'] / r['jax_two_blocks_ms']:.1f} | {r['torch_ms']:.3f} | {r['weight_mb'] / r['torch_ms']:.1f} | "
+      f"{r['torch_ms'] / r['jax_ms']:.2f}× |"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)

@@ -53,19 +53,35 @@ class Shape:
 
 
 SHAPES = {
-    # Karpathy's stories15M: hidden 768 by LLaMA's rule with multiple_of 32.
-    "a": Shape("stories15M", dict(vocab_size=32000, dim=288, n_layers=6, n_heads=6, n_kv_heads=6, multiple_of=32,
-                                  tie_embeddings=True), batch_size=8, seq_len=256),
-    # Grouped-query attention (2 query heads per kv head); hidden 1536 with multiple_of 256.
-    "b": Shape("gqa", dict(vocab_size=4096, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256,
-                           tie_embeddings=False), batch_size=8, seq_len=512),
+  # Karpathy's stories15M: hidden 768 by LLaMA's rule with multiple_of 32.
+  "a": Shape(
+    "stories15M",
+    dict(vocab_size=32000, dim=288, n_layers=6, n_heads=6, n_kv_heads=6, multiple_of=32, tie_embeddings=True),
+    batch_size=8,
+    seq_len=256,
+  ),
+  # Grouped-query attention (2 query heads per kv head); hidden 1536 with multiple_of 256.
+  "b": Shape(
+    "gqa",
+    dict(vocab_size=4096, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256, tie_embeddings=False),
+    batch_size=8,
+    seq_len=512,
+  ),
 }
 # --quick: the same structure (tied MHA / untied GQA) at toy sizes, to check the script runs end to end.
 QUICK_SHAPES = {
-    "a": Shape("stories15M-quick", dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32,
-                                        tie_embeddings=True), batch_size=2, seq_len=32),
-    "b": Shape("gqa-quick", dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32,
-                                 tie_embeddings=False), batch_size=2, seq_len=64),
+  "a": Shape(
+    "stories15M-quick",
+    dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32, tie_embeddings=True),
+    batch_size=2,
+    seq_len=32,
+  ),
+  "b": Shape(
+    "gqa-quick",
+    dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, tie_embeddings=False),
+    batch_size=2,
+    seq_len=64,
+  ),
 }
 
 
@@ -106,15 +122,25 @@ def matmul_peaks(size: int) -> dict[str, float]:
 
 def make_run_config(shape: Shape, dtype: str, remat: str = "none"):
   run_config = config_lib.base_run_config()
-  run_config.model.update(**shape.model, dtype=dtype, param_dtype="float32", max_seq_len=shape.seq_len,
-                          remat=remat)
-  run_config.train.update(batch_size=shape.batch_size, seq_len=shape.seq_len, steps=1000, warmup_steps=10, lr=LR,
-                          b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY, clip_norm=CLIP_NORM)
+  run_config.model.update(**shape.model, dtype=dtype, param_dtype="float32", max_seq_len=shape.seq_len, remat=remat)
+  run_config.train.update(
+    batch_size=shape.batch_size,
+    seq_len=shape.seq_len,
+    steps=1000,
+    warmup_steps=10,
+    lr=LR,
+    b1=B1,
+    b2=B2,
+    eps=EPS,
+    weight_decay=WEIGHT_DECAY,
+    clip_norm=CLIP_NORM,
+  )
   return run_config
 
 
-def bench_jax(shape: Shape, dtype: str, remat: str, inputs: np.ndarray, targets: np.ndarray, warmup: int,
-              steps: int) -> dict[str, Any]:
+def bench_jax(
+  shape: Shape, dtype: str, remat: str, inputs: np.ndarray, targets: np.ndarray, warmup: int, steps: int
+) -> dict[str, Any]:
   """llama_jax's Trainer.train_step on one device; compile (trace + lower + XLA compile) is timed on its own."""
   run_config = make_run_config(shape, dtype, remat)
   model_cfg = config_lib.model_config_from(run_config)
@@ -154,9 +180,15 @@ def bench_torch(shape: Shape, inputs: np.ndarray, targets: np.ndarray, warmup: i
   model = transformers.LlamaForCausalLM(hf_config).train()
   params = list(model.parameters())  # tied embeddings appear once
   optimizer = torch.optim.AdamW(
-      [dict(params=[p for p in params if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
-       dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0)],
-      lr=LR, betas=(B1, B2), eps=EPS, fused=True)
+    [
+      dict(params=[p for p in params if p.ndim >= 2], weight_decay=WEIGHT_DECAY),
+      dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0),
+    ],
+    lr=LR,
+    betas=(B1, B2),
+    eps=EPS,
+    fused=True,
+  )
   inputs_t, targets_t = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
   vocab = model_cfg.vocab_size
   losses = []
@@ -187,50 +219,65 @@ def bench_shape(shape: Shape, warmup: int, steps: int, peak: float, remat: str) 
   flops_per_token = flops.flops_per_token(model_cfg, shape.seq_len)
 
   runs = {}
-  for name, run in (("torch", lambda: bench_torch(shape, inputs, targets, warmup, steps)),
-                    ("jax_f32", lambda: bench_jax(shape, "float32", remat, inputs, targets, warmup, steps)),
-                    ("jax_bf16", lambda: bench_jax(shape, "bfloat16", remat, inputs, targets, warmup, steps))):
+  for name, run in (
+    ("torch", lambda: bench_torch(shape, inputs, targets, warmup, steps)),
+    ("jax_f32", lambda: bench_jax(shape, "float32", remat, inputs, targets, warmup, steps)),
+    ("jax_bf16", lambda: bench_jax(shape, "bfloat16", remat, inputs, targets, warmup, steps)),
+  ):
     result = run()
     result["tokens_per_s"] = tokens / result["median_s"]
     result["mfu"] = result["tokens_per_s"] * flops_per_token / peak
     runs[name] = result
     gc.collect()
   return dict(
-      shape=shape.name, model=shape.model, hidden_dim=model_cfg.hidden_dim, params=model_cfg.num_params(),
-      batch_size=shape.batch_size, seq_len=shape.seq_len, flops_per_token=flops_per_token, runs=runs,
-      ratio_jax_f32=runs["jax_f32"]["tokens_per_s"] / runs["torch"]["tokens_per_s"],
-      ratio_jax_bf16=runs["jax_bf16"]["tokens_per_s"] / runs["torch"]["tokens_per_s"])
+    shape=shape.name,
+    model=shape.model,
+    hidden_dim=model_cfg.hidden_dim,
+    params=model_cfg.num_params(),
+    batch_size=shape.batch_size,
+    seq_len=shape.seq_len,
+    flops_per_token=flops_per_token,
+    runs=runs,
+    ratio_jax_f32=runs["jax_f32"]["tokens_per_s"] / runs["torch"]["tokens_per_s"],
+    ratio_jax_bf16=runs["jax_bf16"]["tokens_per_s"] / runs["torch"]["tokens_per_s"],
+  )
 
 
 def markdown(results: list[dict[str, Any]], peaks: dict[str, float]) -> str:
   lines = [
-      "| shape | params | B×T | torch tok/s | jax f32 tok/s | jax/torch | jax bf16 tok/s | bf16/torch "
-      "| compile f32 s | compile bf16 s | MFU torch | MFU jax f32 | MFU jax bf16 |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| shape | params | B×T | torch tok/s | jax f32 tok/s | jax/torch | jax bf16 tok/s | bf16/torch "
+    "| compile f32 s | compile bf16 s | MFU torch | MFU jax f32 | MFU jax bf16 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in results:
     t, f, h = r["runs"]["torch"], r["runs"]["jax_f32"], r["runs"]["jax_bf16"]
     lines.append(
-        f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['batch_size']}×{r['seq_len']} | {t['tokens_per_s']:,.0f} "
-        f"| {f['tokens_per_s']:,.0f} | {r['ratio_jax_f32']:.2f} | {h['tokens_per_s']:,.0f} "
-        f"| {r['ratio_jax_bf16']:.2f} | {f['compile_s']:.1f} | {h['compile_s']:.1f} | {t['mfu']:.1%} "
-        f"| {f['mfu']:.1%} | {h['mfu']:.1%} |")
+      f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['batch_size']}×{r['seq_len']} | {t['tokens_per_s']:,.0f} "
+      f"| {f['tokens_per_s']:,.0f} | {r['ratio_jax_f32']:.2f} | {h['tokens_per_s']:,.0f} "
+      f"| {r['ratio_jax_bf16']:.2f} | {f['compile_s']:.1f} | {h['compile_s']:.1f} | {t['mfu']:.1%} "
+      f"| {f['mfu']:.1%} | {h['mfu']:.1%} |"
+    )
   lines += [
-      "",
-      f"MFU peak: best float32 matmul = {max(peaks['jax_f32'], peaks['torch_f32']) / 1e9:.1f} GFLOP/s "
-      f"(jax f32 {peaks['jax_f32'] / 1e9:.1f}, torch f32 {peaks['torch_f32'] / 1e9:.1f}; "
-      f"jax bf16 {peaks['jax_bf16'] / 1e9:.1f} GFLOP/s for reference).",
-      "",
-      "| shape | run | median s | min s | max s | first step s | loss first → last |",
-      "|---|---|---|---|---|---|---|",
+    "",
+    f"MFU peak: best float32 matmul = {max(peaks['jax_f32'], peaks['torch_f32']) / 1e9:.1f} GFLOP/s "
+    f"(jax f32 {peaks['jax_f32'] / 1e9:.1f}, torch f32 {peaks['torch_f32'] / 1e9:.1f}; "
+    f"jax bf16 {peaks['jax_bf16'] / 1e9:.1f} GFLOP/s for reference).",
+    "",
+    "| shape | run | median s | min s | max s | first step s | loss first → last |",
+    "|---|---|---|---|---|---|---|",
   ]
   for r in results:
     for name, run in r["runs"].items():
       first = f"{run['first_step_s']:.3f}" if "first_step_s" in run else "-"
-      lines.append(f"| {r['shape']} | {name} | {run['median_s']:.4f} | {run['min_s']:.4f} | {run['max_s']:.4f} "
-                   f"| {first} | {run['first_loss']:.3f} → {run['last_loss']:.3f} |")
-  lines += ["", "Losses are a sanity check only (both start near ln V); llama_jax's learning rate warms up from 0 "
-            "over 10 steps, torch's is constant, so the last losses differ."]
+      lines.append(
+        f"| {r['shape']} | {name} | {run['median_s']:.4f} | {run['min_s']:.4f} | {run['max_s']:.4f} "
+        f"| {first} | {run['first_loss']:.3f} → {run['last_loss']:.3f} |"
+      )
+  lines += [
+    "",
+    "Losses are a sanity check only (both start near ln V); llama_jax's learning rate warms up from 0 "
+    "over 10 steps, torch's is constant, so the last losses differ.",
+  ]
   return "\n".join(lines)
 
 
@@ -240,12 +287,17 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=7, help="timed steps per run, the median is reported (use >= 5)")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run before timing")
   parser.add_argument("--quick", action="store_true", help="toy shapes, 2 timed steps, 1 warm-up: a smoke test")
-  parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)),
-                      help="torch intra-op threads (default: the cores this process may use)")
+  parser.add_argument(
+    "--torch-threads",
+    type=int,
+    default=len(os.sched_getaffinity(0)),
+    help="torch intra-op threads (default: the cores this process may use)",
+  )
   parser.add_argument("--json", default="", help="also write the results to this JSON file")
   # Experiments on the JAX side only; the defaults measure llama_jax as it is configured out of the box.
-  parser.add_argument("--remat", default="none", choices=config_lib.REMAT_POLICIES,
-                      help="llama_jax model.remat for both JAX runs")
+  parser.add_argument(
+    "--remat", default="none", choices=config_lib.REMAT_POLICIES, help="llama_jax model.remat for both JAX runs"
+  )
   args = parser.parse_args(argv)
 
   table = QUICK_SHAPES if args.quick else SHAPES
@@ -258,24 +310,42 @@ def main(argv=None) -> None:
     parser.error(f"--steps and --warmup must be >= 1, got {args.steps} and {args.warmup}")
   load = os.getloadavg()[0]
   if load > 0.5:
-    print(f"warning: 1-minute load average is {load:.1f}; other processes are running and the timings (torch's above "
-          "all) will not be representative", file=sys.stderr)
+    print(
+      f"warning: 1-minute load average is {load:.1f}; other processes are running and the timings (torch's above "
+      "all) will not be representative",
+      file=sys.stderr,
+    )
   torch.set_num_threads(args.torch_threads)
 
   peaks = matmul_peaks(256 if args.quick else 2048)
   peak = max(peaks["jax_f32"], peaks["torch_f32"])
   results = [bench_shape(table[k], warmup, steps, peak, args.remat) for k in keys]
-  print(f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
-        f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
-        f"median of {steps} steps after {warmup} warm-up; jax remat={args.remat}")
+  print(
+    f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+    f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+    f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
+    f"median of {steps} steps after {warmup} warm-up; jax remat={args.remat}"
+  )
   print()
   print(markdown(results, peaks))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(steps=steps, warmup=warmup, remat=args.remat, torch_threads=torch.get_num_threads(),
-                     cores=len(os.sched_getaffinity(0)), jax=jax.__version__, torch=torch.__version__,
-                     transformers=transformers.__version__, peaks_flops=peaks, results=results), f, indent=2)
+      json.dump(
+        dict(
+          steps=steps,
+          warmup=warmup,
+          remat=args.remat,
+          torch_threads=torch.get_num_threads(),
+          cores=len(os.sched_getaffinity(0)),
+          jax=jax.__version__,
+          torch=torch.__version__,
+          transformers=transformers.__version__,
+          peaks_flops=peaks,
+          results=results,
+        ),
+        f,
+        indent=2,
+      )
 
 
 if __name__ == "__main__":

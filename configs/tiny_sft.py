@@ -15,8 +15,14 @@ from llama_jax import config as config_lib
 def get_config():
   cfg = config_lib.load_run_config(os.path.join(os.path.dirname(__file__), "tiny.py"))
   cfg.init_from = "runs/tiny"
-  cfg.data.update(format="chat", sources=("chitchat", "chatterbot:english,chinese"), val_sources=(),
-                  val_fraction=0.02, on_error="skip")
-  cfg.train.update(steps=600, lr=1e-3, warmup_steps=30, min_lr_ratio=0.1, log_every=50, eval_every=200,
-                   eval_batches=0, save_every=200)
+  cfg.data.update(
+    format="chat",
+    sources=("chitchat", "chatterbot:english,chinese"),
+    val_sources=(),
+    val_fraction=0.02,
+    on_error="skip",
+  )
+  cfg.train.update(
+    steps=600, lr=1e-3, warmup_steps=30, min_lr_ratio=0.1, log_every=50, eval_every=200, eval_batches=0, save_every=200
+  )
   return cfg

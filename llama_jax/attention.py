@@ -29,8 +29,17 @@ LONG_SEQUENCE = 2048  # "chunked" from this length on rematerialises each chunk:
 _log = logging.getLogger(__name__)
 
 
-def choose_implementation(requested: str, backend: str, *, q_len: int, kv_len: int, head_dim: int, dtype,
-                          has_segment_ids: bool, has_positions: bool) -> str:
+def choose_implementation(
+  requested: str,
+  backend: str,
+  *,
+  q_len: int,
+  kv_len: int,
+  head_dim: int,
+  dtype,
+  has_segment_ids: bool,
+  has_positions: bool,
+) -> str:
   """The kernel that runs: the requested (or, for "auto", the backend's) accelerator kernel when it applies to these
   shapes, otherwise "xla". Explicit positions (a KV cache) always need the XLA path's positional mask."""
   if requested not in ATTENTION_IMPLS:
@@ -44,21 +53,35 @@ def choose_implementation(requested: str, backend: str, *, q_len: int, kv_len: i
     ok = chunkable
   elif wanted == "cudnn":
     # cuDNN's fused kernel: GPU, half precision, head_dim a multiple of 8 up to 128; packed segments go to XLA.
-    ok = (backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-          and head_dim <= 128 and not has_segment_ids)
+    ok = (
+      backend == "gpu"
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+      and head_dim % 8 == 0
+      and head_dim <= 128
+      and not has_segment_ids
+    )
   elif wanted == "splash":
-    ok = (backend == "tpu" and q_len == kv_len and q_len % SPLASH_BLOCK == 0 and head_dim % 64 == 0)
+    ok = backend == "tpu" and q_len == kv_len and q_len % SPLASH_BLOCK == 0 and head_dim % 64 == 0
   else:
     ok = False
   if not ok and requested != "auto":
-    _log.warning("attention=%r does not apply on backend %r with these shapes; using the %s kernel", requested,
-                 backend, fallback)
+    _log.warning(
+      "attention=%r does not apply on backend %r with these shapes; using the %s kernel", requested, backend, fallback
+    )
   return wanted if ok else fallback
 
 
-def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids: Array | None = None,
-              kv_segment_ids: Array | None = None, q_positions: Array | None = None,
-              kv_positions: Array | None = None, implementation: str = "auto") -> Array:
+def attention(
+  q_BTNH: Array,
+  k_BSKH: Array,
+  v_BSKH: Array,
+  *,
+  q_segment_ids: Array | None = None,
+  kv_segment_ids: Array | None = None,
+  q_positions: Array | None = None,
+  kv_positions: Array | None = None,
+  implementation: str = "auto",
+) -> Array:
   """Causal grouped-query attention; returns [B, T, N, H] in the dtype of q.
 
   Without positions, T == S and causality is by index (self-attention over one sequence, packed or not). With
@@ -66,17 +89,30 @@ def attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids: Arr
   Segment ids restrict attention to equal ids (packed sequences; id 0 is padding).
   """
   impl = choose_implementation(
-      implementation, jax.default_backend(), q_len=q_BTNH.shape[1], kv_len=k_BSKH.shape[1],
-      head_dim=q_BTNH.shape[-1], dtype=q_BTNH.dtype, has_segment_ids=q_segment_ids is not None,
-      has_positions=q_positions is not None)
+    implementation,
+    jax.default_backend(),
+    q_len=q_BTNH.shape[1],
+    kv_len=k_BSKH.shape[1],
+    head_dim=q_BTNH.shape[-1],
+    dtype=q_BTNH.dtype,
+    has_segment_ids=q_segment_ids is not None,
+    has_positions=q_positions is not None,
+  )
   if impl == "cudnn":
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
   if impl == "splash":
     return splash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids=q_segment_ids)
   if impl == "chunked":
     return chunked_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids=q_segment_ids)
-  return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                       q_positions=q_positions, kv_positions=kv_positions)
+  return xla_attention(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
+  )
 
 
 @jax.custom_vjp
@@ -102,8 +138,16 @@ def _softmax_backward(probs, grad):
 softmax.defvjp(_softmax_forward, _softmax_backward)
 
 
-def xla_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids=None, kv_segment_ids=None,
-                  q_positions=None, kv_positions=None) -> Array:
+def xla_attention(
+  q_BTNH: Array,
+  k_BSKH: Array,
+  v_BSKH: Array,
+  *,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  q_positions=None,
+  kv_positions=None,
+) -> Array:
   """Plain einsum attention. Query heads are grouped [K, G] so each kv head serves its G query heads without a copy."""
   batch, q_len, n_heads, head_dim = q_BTNH.shape
   kv_len, n_kv_heads = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -124,24 +168,26 @@ def xla_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, q_segment_ids=
   return out_BTKGH.reshape(batch, q_len, n_heads, head_dim)
 
 
-def cached_attention(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, *, q_positions: Array,
-                     kv_positions: Array) -> Array:
+def cached_attention(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, *, q_positions: Array, kv_positions: Array) -> Array:
   """Attention of a few new tokens over a KV cache stored [B, K, S, H] (decoding): key s is visible to query t when
   kv_positions[s] <= q_positions[t]. Written as two batched matrix products with the cache as the right-hand side
   in its stored layout, so nothing is transposed or copied per step."""
   batch, q_len, n_heads, head_dim = q_BTNH.shape
   n_kv_heads = k_BKSH.shape[1]
-  q_BKQH = q_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4).reshape(
-      batch, n_kv_heads, -1, head_dim)  # Q = G·T query rows per kv head, in (g, t) order
-  scores_BKQS = jax.lax.dot_general(q_BKQH, k_BKSH, (((3,), (3,)), ((0, 1), (0, 1))),
-                                    preferred_element_type=jnp.float32) * (1.0 / np.sqrt(head_dim))
+  q_BKQH = (
+    q_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim)
+    .transpose(0, 2, 3, 1, 4)
+    .reshape(batch, n_kv_heads, -1, head_dim)
+  )  # Q = G·T query rows per kv head, in (g, t) order
+  scores_BKQS = jax.lax.dot_general(
+    q_BKQH, k_BKSH, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32
+  ) * (1.0 / np.sqrt(head_dim))
   groups = n_heads // n_kv_heads
   visible_BQS = jnp.tile(kv_positions[:, None, :] <= q_positions[:, :, None], (1, groups, 1))
   scores_BKQS = jnp.where(visible_BQS[:, None], scores_BKQS, MASK_VALUE)
   probs_BKQS = jax.nn.softmax(scores_BKQS, axis=-1).astype(v_BKSH.dtype)
   out_BKQH = jax.lax.dot_general(probs_BKQS, v_BKSH, (((3,), (2,)), ((0, 1), (0, 1))))
-  return out_BKQH.reshape(batch, n_kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(
-      q_BTNH.shape)
+  return out_BKQH.reshape(batch, n_kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape)
 
 
 def chunk_size(q_len: int) -> int | None:
@@ -153,8 +199,15 @@ def chunk_size(q_len: int) -> int | None:
   return chunk if q_len % chunk == 0 and q_len >= 2 * chunk else None
 
 
-def chunked_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None,
-                      chunk: int | None = None, remat: bool | None = None) -> Array:
+def chunked_attention(
+  q_BTNH: Array,
+  k_BSKH: Array,
+  v_BSKH: Array,
+  *,
+  segment_ids: Array | None = None,
+  chunk: int | None = None,
+  remat: bool | None = None,
+) -> Array:
   """Causal self-attention (T == S) by query chunks. Exact (whole softmax rows), so it equals `xla_attention`.
 
   Without `remat` (below LONG_SEQUENCE tokens by default), an unrolled loop in which chunk c attends to keys
@@ -170,8 +223,15 @@ def chunked_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_id
   def one_chunk(q_BCNH, k_BSKH, v_BSKH, q_segments_BC, kv_segments_BS, start):
     q_positions = jnp.broadcast_to(start + jnp.arange(q_BCNH.shape[1], dtype=jnp.int32), q_BCNH.shape[:2])
     kv_positions = jnp.broadcast_to(jnp.arange(k_BSKH.shape[1], dtype=jnp.int32), k_BSKH.shape[:2])
-    return xla_attention(q_BCNH, k_BSKH, v_BSKH, q_segment_ids=q_segments_BC, kv_segment_ids=kv_segments_BS,
-                         q_positions=q_positions, kv_positions=kv_positions)
+    return xla_attention(
+      q_BCNH,
+      k_BSKH,
+      v_BSKH,
+      q_segment_ids=q_segments_BC,
+      kv_segment_ids=kv_segments_BS,
+      q_positions=q_positions,
+      kv_positions=kv_positions,
+    )
 
   if remat:
     n_chunks = q_len // chunk
@@ -188,8 +248,9 @@ def chunked_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_id
   return jnp.concatenate(outputs, axis=1)
 
 
-def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None,
-                     interpret: bool = False) -> Array:
+def splash_attention(
+  q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None, interpret: bool = False
+) -> Array:
   """TPU splash (block-sparse flash) attention, causal, with optional segment ids.
 
   The kernel works on one sequence and one kv head at a time ([G, T, H] queries against [S, H] keys), so it is
@@ -219,14 +280,17 @@ def splash_attention(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids
     out_BKGTH = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis))(q_BKGTH, k_BKSH, v_BKSH, segment_ids_BT)
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
-  specs = sharding.active_specs({
+  specs = sharding.active_specs(
+    {
       "q": ("activation_batch", None, "activation_heads", None),
       "kv": ("activation_batch", None, "activation_kv_heads", None),
       "seg": ("activation_batch", None),
-  })
+    }
+  )
   if specs is None:
     return local(q_BTNH, k_BSKH, v_BSKH, segment_ids)
   seg_spec = None if segment_ids is None else specs["seg"]
-  run = jax.shard_map(local, in_specs=(specs["q"], specs["kv"], specs["kv"], seg_spec),
-                      out_specs=specs["q"], check_vma=False)
+  run = jax.shard_map(
+    local, in_specs=(specs["q"], specs["kv"], specs["kv"], seg_spec), out_specs=specs["q"], check_vma=False
+  )
   return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)

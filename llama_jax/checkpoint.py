@@ -42,8 +42,7 @@ class CheckpointError(LlamaJaxError, ValueError):
 
 
 # Fields that fix parameter shapes and dtypes: a workdir whose checkpoint differs in any of them is refused.
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "tie_embeddings",
-                "param_dtype")
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "tie_embeddings", "param_dtype")
 
 
 def is_remote(path: str) -> bool:
@@ -60,8 +59,9 @@ def local_dir(workdir: str, name: str) -> str:
   if not is_remote(workdir):
     return os.path.join(workdir, name)
   key = hashlib.sha256(str(workdir).encode()).hexdigest()[:12]
-  return os.path.join(os.path.expanduser("~/.cache/llama_jax"), f"{os.path.basename(str(workdir).rstrip('/'))}-{key}",
-                      name)
+  return os.path.join(
+    os.path.expanduser("~/.cache/llama_jax"), f"{os.path.basename(str(workdir).rstrip('/'))}-{key}", name
+  )
 
 
 def local_file(path: str) -> str:
@@ -80,8 +80,9 @@ def _manager(directory: str, create: bool) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(_steps_path(directory), options=options, item_names=("params",))
 
 
-def save_params_dir(directory: str, cfg: ModelConfig, params: Any, step: int = 0,
-                    tokenizer_path: str | None = None) -> None:
+def save_params_dir(
+  directory: str, cfg: ModelConfig, params: Any, step: int = 0, tokenizer_path: str | None = None
+) -> None:
   """Writes a new checkpoint directory holding only parameters (conversion output). Refuses a non-empty directory."""
   if os.path.exists(directory) and os.listdir(directory):
     raise CheckpointError(f"output directory {directory!r} exists and is not empty; choose a new one")
@@ -130,16 +131,21 @@ def load_params(directory: str, step: int | None = None, shardings: Any = None) 
 
 
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
-  return [f"{name} {getattr(saved, name)} → {getattr(current, name)}" for name in SHAPE_FIELDS
-          if getattr(saved, name) != getattr(current, name)]
+  return [
+    f"{name} {getattr(saved, name)} → {getattr(current, name)}"
+    for name in SHAPE_FIELDS
+    if getattr(saved, name) != getattr(current, name)
+  ]
 
 
 def load_init_params(init_from: str, model_cfg: ModelConfig, shardings: Any) -> Any:
   """Parameters (only) of another checkpoint directory to start a run from, refused unless the shapes match."""
   differences = shape_differences(read_model_config(init_from), model_cfg)
   if differences:
-    raise CheckpointError(f"init_from {init_from!r} holds a different model ({', '.join(differences)}); its model "
-                          f"config must match this run's")
+    raise CheckpointError(
+      f"init_from {init_from!r} holds a different model ({', '.join(differences)}); its model "
+      f"config must match this run's"
+    )
   return load_params(init_from, shardings=shardings)[1]
 
 
@@ -149,10 +155,10 @@ class TrainCheckpointer:
 
   def __init__(self, workdir: str, keep: int = 3, keep_every: int = 0, async_save: bool = True):
     self.workdir = workdir
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every or None, create=True,
-                                           enable_async_checkpointing=async_save)
-    self.manager = ocp.CheckpointManager(_steps_path(workdir), options=options,
-                                         item_names=("params", "train", "data"))
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, keep_period=keep_every or None, create=True, enable_async_checkpointing=async_save
+    )
+    self.manager = ocp.CheckpointManager(_steps_path(workdir), options=options, item_names=("params", "train", "data"))
 
   def check_compatible(self, cfg: ModelConfig) -> None:
     """Refuses a workdir holding checkpoints of another model shape: they are never overwritten."""
@@ -163,15 +169,20 @@ class TrainCheckpointer:
     saved = read_model_config(self.workdir)
     differences = shape_differences(saved, cfg)
     if differences and self.manager.latest_step() is not None:
-      raise CheckpointError(f"workdir {self.workdir!r} holds a checkpoint of a different model "
-                            f"({', '.join(differences)}); use a new --workdir or the saved model config")
+      raise CheckpointError(
+        f"workdir {self.workdir!r} holds a checkpoint of a different model "
+        f"({', '.join(differences)}); use a new --workdir or the saved model config"
+      )
 
   def write_metadata(self, cfg: ModelConfig, run_config_json: str, tokenizer_bytes: bytes | None) -> None:
     """Process 0 only: the files that make the workdir self-describing, each written whole then renamed."""
     workdir = epath.Path(self.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for name, content in ((CONFIG_FILE, cfg.to_json().encode()), (RUN_CONFIG_FILE, run_config_json.encode()),
-                          (TOKENIZER_FILE, tokenizer_bytes)):
+    for name, content in (
+      (CONFIG_FILE, cfg.to_json().encode()),
+      (RUN_CONFIG_FILE, run_config_json.encode()),
+      (TOKENIZER_FILE, tokenizer_bytes),
+    ):
       if content is not None:
         tmp = workdir / (name + ".tmp")
         tmp.write_bytes(content)
@@ -183,15 +194,26 @@ class TrainCheckpointer:
   def save(self, step: int, state: dict[str, Any], data_state: dict[str, Any]) -> None:
     """Starts a save of the train state; returns once the arrays are copied off the devices (async write after)."""
     train = {k: v for k, v in state.items() if k != "params"}
-    self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
-                                                     train=ocp.args.StandardSave(train),
-                                                     data=ocp.args.JsonSave(data_state)), force=True)
+    self.manager.save(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state["params"]),
+        train=ocp.args.StandardSave(train),
+        data=ocp.args.JsonSave(data_state),
+      ),
+      force=True,
+    )
 
   def restore(self, step: int, abstract_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     abstract_train = {k: v for k, v in abstract_state.items() if k != "params"}
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_state["params"]), train=ocp.args.StandardRestore(abstract_train),
-        data=ocp.args.JsonRestore()))
+    restored = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_state["params"]),
+        train=ocp.args.StandardRestore(abstract_train),
+        data=ocp.args.JsonRestore(),
+      ),
+    )
     return {"params": restored["params"], **restored["train"]}, restored["data"]
 
   def close(self) -> None:

@@ -71,8 +71,16 @@ class ModelConfig:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
     for name in ("tie_embeddings", "scan_layers"):
       _check_type(self, "", name)
-    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_seq_len",
-                 "rope_original_max_len"):
+    for name in (
+      "vocab_size",
+      "dim",
+      "n_layers",
+      "n_heads",
+      "n_kv_heads",
+      "multiple_of",
+      "max_seq_len",
+      "rope_original_max_len",
+    ):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -89,8 +97,10 @@ class ModelConfig:
     if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
       raise ConfigError(f"n_kv_heads must divide n_heads, got n_kv_heads={self.n_kv_heads}, n_heads={self.n_heads}")
     if self.head_dim % 2:
-      raise ConfigError(f"head_dim = dim / n_heads must be even for rotary embeddings, got {self.head_dim} "
-                        f"(dim={self.dim}, n_heads={self.n_heads})")
+      raise ConfigError(
+        f"head_dim = dim / n_heads must be even for rotary embeddings, got {self.head_dim} "
+        f"(dim={self.dim}, n_heads={self.n_heads})"
+      )
     _check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
     _check_choice("dtype", self.dtype, DTYPES)
     _check_choice("param_dtype", self.param_dtype, DTYPES)
@@ -98,9 +108,11 @@ class ModelConfig:
     _check_choice("attention", self.attention, ATTENTION_IMPLS)
     if self.rope_scaling == "llama3":
       if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
-        raise ConfigError("llama3 rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
-                          f"rope_low_freq_factor={self.rope_low_freq_factor}, "
-                          f"rope_high_freq_factor={self.rope_high_freq_factor}")
+        raise ConfigError(
+          "llama3 rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+          f"rope_low_freq_factor={self.rope_low_freq_factor}, "
+          f"rope_high_freq_factor={self.rope_high_freq_factor}"
+        )
 
   @property
   def head_dim(self) -> int:
@@ -140,8 +152,9 @@ class ModelConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-      raise ConfigError(f"unknown model config keys {unknown}{_did_you_mean('model', unknown[0], known)}; known "
-                        f"keys: {sorted(known)}")
+      raise ConfigError(
+        f"unknown model config keys {unknown}{_did_you_mean('model', unknown[0], known)}; known keys: {sorted(known)}"
+      )
     return cls(**values)
 
 
@@ -183,10 +196,13 @@ def _check_type(config: Any, section: str, name: str) -> None:
   if typing.get_origin(annotation) is tuple:
     item = typing.get_args(annotation)[0]
     ok = isinstance(value, (tuple, list)) and all(
-        isinstance(v, item) and not (item is int and isinstance(v, bool)) for v in value)
+      isinstance(v, item) and not (item is int and isinstance(v, bool)) for v in value
+    )
     if not ok:
       example = "('x',)" if item is str else "(1, 2)"
-      raise ConfigError(f"{where} must be a tuple of {_type_name(item).split()[-1]}s, e.g. {where}={example}, got {value!r}")
+      raise ConfigError(
+        f"{where} must be a tuple of {_type_name(item).split()[-1]}s, e.g. {where}={example}, got {value!r}"
+      )
     object.__setattr__(config, name, tuple(value))
     return
   ok = isinstance(value, annotation) and not (annotation is not bool and isinstance(value, bool))
@@ -199,8 +215,15 @@ def _check_type(config: Any, section: str, name: str) -> None:
     raise ConfigError(f"{where} must be finite, got {value!r}")
 
 
-def _check_range(where: str, value: float, low: float | None = None, high: float | None = None, *,
-                 low_open: bool = False, high_open: bool = False) -> None:
+def _check_range(
+  where: str,
+  value: float,
+  low: float | None = None,
+  high: float | None = None,
+  *,
+  low_open: bool = False,
+  high_open: bool = False,
+) -> None:
   too_low = low is not None and (value <= low if low_open else value < low)
   too_high = high is not None and (value >= high if high_open else value > high)
   if too_low or too_high:
@@ -276,15 +299,21 @@ class TrainConfig(_Section):
     if self.batch_size % self.grad_accum:
       raise ConfigError(f"train.batch_size {self.batch_size} is not divisible by train.grad_accum {self.grad_accum}")
     if self.keep_every % self.save_every:
-      raise ConfigError(f"train.keep_every {self.keep_every} must be a multiple of train.save_every "
-                        f"{self.save_every} (only saved steps can be kept), or 0")
+      raise ConfigError(
+        f"train.keep_every {self.keep_every} must be a multiple of train.save_every "
+        f"{self.save_every} (only saved steps can be kept), or 0"
+      )
     if self.profile_steps:
       if len(self.profile_steps) != 2 or self.profile_steps[0] < 1 or self.profile_steps[1] < 1:
-        raise ConfigError(f"train.profile_steps must be (start, count) with start ≥ 1 and count ≥ 1, or () for no "
-                          f"profile; got {self.profile_steps!r}")
+        raise ConfigError(
+          f"train.profile_steps must be (start, count) with start ≥ 1 and count ≥ 1, or () for no "
+          f"profile; got {self.profile_steps!r}"
+        )
       if sum(self.profile_steps) - 1 > self.steps:
-        raise ConfigError(f"train.profile_steps {self.profile_steps!r} ends at step {sum(self.profile_steps) - 1}, "
-                          f"past train.steps {self.steps}")
+        raise ConfigError(
+          f"train.profile_steps {self.profile_steps!r} ends at step {sum(self.profile_steps) - 1}, "
+          f"past train.steps {self.steps}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,11 +342,14 @@ class DataConfig(_Section):
     _check_choice("data.format", self.format, DATA_FORMATS)
     _check_choice("data.on_error", self.on_error, ON_ERROR)
     if self.val_sources and self.val_fraction:
-      raise ConfigError(f"set data.val_sources or data.val_fraction, not both (got {self.val_sources!r} and "
-                        f"{self.val_fraction})")
+      raise ConfigError(
+        f"set data.val_sources or data.val_fraction, not both (got {self.val_sources!r} and {self.val_fraction})"
+      )
     if self.val_sources and self.format == "chat":
-      raise ConfigError(f"data.val_sources {self.val_sources!r} is not used with data.format='chat': conversations "
-                        f"are held out by data.val_fraction")
+      raise ConfigError(
+        f"data.val_sources {self.val_sources!r} is not used with data.format='chat': conversations "
+        f"are held out by data.val_fraction"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,23 +380,23 @@ class MeshConfig(_Section):
 # Logical axis → mesh axis rules. Parameters and activations use different logical names so that the batch axis
 # (sharded over data and fsdp) and the fsdp-sharded parameter axis never claim the same mesh axis in one array.
 DEFAULT_LOGICAL_AXIS_RULES = (
-    # parameters
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("norm", None),
-    ("layers", None),
-    # activations
-    ("activation_batch", ("data", "fsdp")),
-    ("activation_length", None),
-    ("activation_embed", None),
-    ("activation_heads", "tensor"),
-    ("activation_kv_heads", "tensor"),
-    ("activation_mlp", "tensor"),
-    ("activation_vocab", "tensor"),
+  # parameters
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("norm", None),
+  ("layers", None),
+  # activations
+  ("activation_batch", ("data", "fsdp")),
+  ("activation_length", None),
+  ("activation_embed", None),
+  ("activation_heads", "tensor"),
+  ("activation_kv_heads", "tensor"),
+  ("activation_mlp", "tensor"),
+  ("activation_vocab", "tensor"),
 )
 
 
@@ -373,14 +405,16 @@ def _logical_axis_rules(rules: Any) -> tuple:
   out = []
   for rule in rules if isinstance(rules, (tuple, list)) else [rules]:
     if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-      raise ConfigError(f"logical_axis_rules entries must be (logical name, mesh axis or None or tuple of mesh "
-                        f"axes), got {rule!r}")
+      raise ConfigError(
+        f"logical_axis_rules entries must be (logical name, mesh axis or None or tuple of mesh axes), got {rule!r}"
+      )
     target = rule[1]
     axes = () if target is None else tuple(target) if isinstance(target, (tuple, list)) else (target,)
     for axis in axes:
       if axis not in MESH_AXES:
-        raise ConfigError(f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; the mesh axes are "
-                          f"{', '.join(MESH_AXES)}")
+        raise ConfigError(
+          f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; the mesh axes are {', '.join(MESH_AXES)}"
+        )
     out.append((rule[0], tuple(target) if isinstance(target, (tuple, list)) else target))
   return tuple(out)
 
@@ -404,8 +438,10 @@ class RunConfig:
     _check_range("seed", self.seed, 0)
     object.__setattr__(self, "logical_axis_rules", _logical_axis_rules(self.logical_axis_rules))
     if self.train.seq_len > self.model.max_seq_len:
-      raise ConfigError(f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "
-                        f"{self.model.max_seq_len}; raise --config.model.max_seq_len or lower train.seq_len")
+      raise ConfigError(
+        f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "
+        f"{self.model.max_seq_len}; raise --config.model.max_seq_len or lower train.seq_len"
+      )
 
   SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
 
@@ -432,8 +468,9 @@ class RunConfig:
 
   def replace(self, **sections: Any) -> RunConfig:
     """A copy with whole sections or fields replaced, checked again: ``replace(train=dict(steps=5))``."""
-    changes = {k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, Mapping) else v
-               for k, v in sections.items()}
+    changes = {
+      k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, Mapping) else v for k, v in sections.items()
+    }
     return dataclasses.replace(self, **changes)
 
 
@@ -478,7 +515,7 @@ def load_run_config(path: str):
 
 def _override_hint(override: str) -> str:
   """' (did you mean train.steps?)' for an override of an unknown key such as --config.train.stpes=5."""
-  path = override[len("--config."):].split("=", 1)[0].split(".")
+  path = override[len("--config.") :].split("=", 1)[0].split(".")
   if len(path) == 2 and path[0] in RunConfig.SECTIONS:
     return _did_you_mean(path[0], path[1], [f.name for f in dataclasses.fields(RunConfig.SECTIONS[path[0]])])
   return _did_you_mean("", path[0], [f.name for f in dataclasses.fields(RunConfig)])

@@ -51,8 +51,10 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     raise ConvertError(f"config.json hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
   dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
   if hf.get("head_dim") not in (None, dim // n_heads):
-    raise ConvertError(f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
-                       f"{dim // n_heads}; not supported")
+    raise ConvertError(
+      f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
+      f"{dim // n_heads}; not supported"
+    )
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   if dtype not in _DTYPES_FROM_HF:
     raise ConvertError(f"config.json dtype {dtype!r} is not one of {sorted(_DTYPES_FROM_HF)}")
@@ -65,17 +67,28 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   kind = rope.get("rope_type", rope.get("type", "none")) if rope else "none"
   kind = "none" if kind == "default" else kind
   fields = dict(
-      vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-      n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden_dim=hf["intermediate_size"],
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-      max_seq_len=hf.get("max_position_embeddings", 4096), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      dtype=_DTYPES_FROM_HF[dtype], param_dtype=_DTYPES_FROM_HF[dtype], rope_scaling=kind)
+    vocab_size=hf["vocab_size"],
+    dim=dim,
+    n_layers=hf["num_hidden_layers"],
+    n_heads=n_heads,
+    n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+    ffn_hidden_dim=hf["intermediate_size"],
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    rope_theta=float(theta),
+    max_seq_len=hf.get("max_position_embeddings", 4096),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    dtype=_DTYPES_FROM_HF[dtype],
+    param_dtype=_DTYPES_FROM_HF[dtype],
+    rope_scaling=kind,
+  )
   if kind in ("linear", "llama3"):
     fields["rope_scaling_factor"] = float(rope["factor"])
   if kind == "llama3":
-    fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                  rope_high_freq_factor=float(rope["high_freq_factor"]),
-                  rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    fields.update(
+      rope_low_freq_factor=float(rope["low_freq_factor"]),
+      rope_high_freq_factor=float(rope["high_freq_factor"]),
+      rope_original_max_len=int(rope["original_max_position_embeddings"]),
+    )
   try:
     return ModelConfig(**fields)
   except ConfigError as e:
@@ -88,17 +101,34 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
   if cfg.rope_scaling == "linear":
     rope_scaling = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
   elif cfg.rope_scaling == "llama3":
-    rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                    "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-                    "original_max_position_embeddings": cfg.rope_original_max_len}
+    rope_scaling = {
+      "rope_type": "llama3",
+      "factor": cfg.rope_scaling_factor,
+      "low_freq_factor": cfg.rope_low_freq_factor,
+      "high_freq_factor": cfg.rope_high_freq_factor,
+      "original_max_position_embeddings": cfg.rope_original_max_len,
+    }
   return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
-      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-      "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-      "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-      "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": cfg.param_dtype,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.dim,
+    "intermediate_size": cfg.hidden_dim,
+    "num_hidden_layers": cfg.n_layers,
+    "num_attention_heads": cfg.n_heads,
+    "num_key_value_heads": cfg.n_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": cfg.max_seq_len,
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "rope_scaling": rope_scaling,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": cfg.param_dtype,
   }
 
 
@@ -109,11 +139,19 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["lm_head.weight"] = (cfg.vocab_size, d)
   for i in range(cfg.n_layers):
     p = f"model.layers.{i}."
-    shapes.update({
-        p + "self_attn.q_proj.weight": (cfg.n_heads * h, d), p + "self_attn.k_proj.weight": (cfg.n_kv_heads * h, d),
-        p + "self_attn.v_proj.weight": (cfg.n_kv_heads * h, d), p + "self_attn.o_proj.weight": (d, cfg.n_heads * h),
-        p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f),
-        p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+    shapes.update(
+      {
+        p + "self_attn.q_proj.weight": (cfg.n_heads * h, d),
+        p + "self_attn.k_proj.weight": (cfg.n_kv_heads * h, d),
+        p + "self_attn.v_proj.weight": (cfg.n_kv_heads * h, d),
+        p + "self_attn.o_proj.weight": (d, cfg.n_heads * h),
+        p + "mlp.gate_proj.weight": (f, d),
+        p + "mlp.up_proj.weight": (f, d),
+        p + "mlp.down_proj.weight": (d, f),
+        p + "input_layernorm.weight": (d,),
+        p + "post_attention_layernorm.weight": (d,),
+      }
+    )
   return shapes
 
 
@@ -132,23 +170,23 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[
     return np.stack([fn(np.asarray(tensors[f"model.layers.{i}.{suffix}"])) for i in range(cfg.n_layers)])
 
   params = {
-      "embed": np.asarray(tensors["model.embed_tokens.weight"]),
-      "final_norm": {"scale": np.asarray(tensors["model.norm.weight"])},
-      "layers": {
-          "attention_norm": {"scale": stack("input_layernorm.weight", lambda w: w)},
-          "mlp_norm": {"scale": stack("post_attention_layernorm.weight", lambda w: w)},
-          "attention": {
-              "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
-              "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
-              "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
-              "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
-          },
-          "mlp": {
-              "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-              "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-              "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
-          },
+    "embed": np.asarray(tensors["model.embed_tokens.weight"]),
+    "final_norm": {"scale": np.asarray(tensors["model.norm.weight"])},
+    "layers": {
+      "attention_norm": {"scale": stack("input_layernorm.weight", lambda w: w)},
+      "mlp_norm": {"scale": stack("post_attention_layernorm.weight", lambda w: w)},
+      "attention": {
+        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
+        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
+        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
+        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
       },
+      "mlp": {
+        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
+        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
+        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
+      },
+    },
   }
   if not cfg.tie_embeddings:
     params["lm_head"] = np.asarray(tensors["lm_head.weight"]).T
@@ -159,20 +197,22 @@ def hf_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.
   """The inverse of ``params_from_hf``: contiguous HF-layout arrays named as transformers names them."""
   d, n, k, h = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   layers, attn, mlp = params["layers"], params["layers"]["attention"], params["layers"]["mlp"]
-  out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
-         "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
+  out = {
+    "model.embed_tokens.weight": np.asarray(params["embed"]),
+    "model.norm.weight": np.asarray(params["final_norm"]["scale"]),
+  }
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = np.asarray(params["lm_head"]).T
   per_layer = {
-      "input_layernorm.weight": (layers["attention_norm"]["scale"], lambda w: w),
-      "post_attention_layernorm.weight": (layers["mlp_norm"]["scale"], lambda w: w),
-      "self_attn.q_proj.weight": (attn["wq"], lambda w: w.reshape(d, n * h).T),
-      "self_attn.k_proj.weight": (attn["wk"], lambda w: w.reshape(d, k * h).T),
-      "self_attn.v_proj.weight": (attn["wv"], lambda w: w.reshape(d, k * h).T),
-      "self_attn.o_proj.weight": (attn["wo"], lambda w: w.reshape(n * h, d).T),
-      "mlp.gate_proj.weight": (mlp["w_gate"], lambda w: w.T),
-      "mlp.up_proj.weight": (mlp["w_up"], lambda w: w.T),
-      "mlp.down_proj.weight": (mlp["w_down"], lambda w: w.T),
+    "input_layernorm.weight": (layers["attention_norm"]["scale"], lambda w: w),
+    "post_attention_layernorm.weight": (layers["mlp_norm"]["scale"], lambda w: w),
+    "self_attn.q_proj.weight": (attn["wq"], lambda w: w.reshape(d, n * h).T),
+    "self_attn.k_proj.weight": (attn["wk"], lambda w: w.reshape(d, k * h).T),
+    "self_attn.v_proj.weight": (attn["wv"], lambda w: w.reshape(d, k * h).T),
+    "self_attn.o_proj.weight": (attn["wo"], lambda w: w.reshape(n * h, d).T),
+    "mlp.gate_proj.weight": (mlp["w_gate"], lambda w: w.T),
+    "mlp.up_proj.weight": (mlp["w_up"], lambda w: w.T),
+    "mlp.down_proj.weight": (mlp["w_down"], lambda w: w.T),
   }
   for suffix, (stacked, fn) in per_layer.items():
     stacked = np.asarray(stacked)
@@ -217,8 +257,13 @@ def read_hf_dir(hf_dir: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
   return cfg, tensors
 
 
-def write_hf_dir(out_dir: str, cfg: ModelConfig, params: Mapping[str, Any], tokenizer_path: str | None = None,
-                 max_shard_bytes: int = 5 * 2**30) -> None:
+def write_hf_dir(
+  out_dir: str,
+  cfg: ModelConfig,
+  params: Mapping[str, Any],
+  tokenizer_path: str | None = None,
+  max_shard_bytes: int = 5 * 2**30,
+) -> None:
   """config.json + model.safetensors (or shards of at most `max_shard_bytes` with an index) that transformers loads."""
   if os.path.exists(out_dir) and os.listdir(out_dir):
     raise ConvertError(f"output directory {out_dir!r} exists and is not empty; choose a new one")
@@ -241,12 +286,14 @@ def write_hf_dir(out_dir: str, cfg: ModelConfig, params: Mapping[str, Any], toke
       save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
       weight_map.update({tensor: name for tensor in shard})
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map},
-                f, indent=2)
+      json.dump(
+        {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}, f, indent=2
+      )
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config_from_model_config(cfg), f, indent=2)
   if tokenizer_path:
     import shutil
+
     shutil.copyfile(tokenizer_path, os.path.join(out_dir, TOKENIZER_FILE))
 
 

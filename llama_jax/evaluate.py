@@ -36,8 +36,14 @@ def _run_settings(checkpoint_dir: str) -> dict:
     return json.load(f)
 
 
-def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0, batch_size: int = 0,
-             max_batches: int = 0, text_field: str = "text") -> dict[str, float]:
+def evaluate(
+  checkpoint_dir: str,
+  sources: Sequence[str] = (),
+  seq_len: int = 0,
+  batch_size: int = 0,
+  max_batches: int = 0,
+  text_field: str = "text",
+) -> dict[str, float]:
   """Metrics of the latest checkpoint step on `sources` (or the run's validation split)."""
   model_cfg = checkpoint_lib.read_model_config(checkpoint_dir)
   tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
@@ -49,15 +55,17 @@ def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0,
   batch_size = batch_size or settings.get("train", {}).get("batch_size") or 8
   if sources:
     windows = data_lib.TokenWindows(
-        data_lib.tokenize_documents(data_lib.resolve_sources(sources), tokenizer, text_field), seq_len)
+      data_lib.tokenize_documents(data_lib.resolve_sources(sources), tokenizer, text_field), seq_len
+    )
   else:
     prepared = settings.get("data", {}).get("prepared_dir") or os.path.join(checkpoint_dir, "data")
     if not os.path.isfile(os.path.join(prepared, "val.bin")):
       raise data_lib.DataError(f"no validation split prepared for {checkpoint_dir!r}; pass --data PATHS")
     windows = data_lib.validation_windows(prepared, seq_len)
   if len(windows) == 0:
-    raise data_lib.DataError(f"the evaluation text has fewer than {seq_len + 1} tokens; pass more text or a "
-                             f"smaller --seq_len")
+    raise data_lib.DataError(
+      f"the evaluation text has fewer than {seq_len + 1} tokens; pass more text or a smaller --seq_len"
+    )
 
   rules = DEFAULT_LOGICAL_AXIS_RULES
   mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
@@ -80,7 +88,9 @@ def evaluate(checkpoint_dir: str, sources: Sequence[str] = (), seq_len: int = 0,
 
 def main(argv: list[str] | None = None) -> int:
   parser = ArgumentParser(prog="python -m llama_jax.evaluate", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)")
+  parser.add_argument(
+    "--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)"
+  )
   parser.add_argument("--data", nargs="*", default=[], help="files, directories, globs, *.jsonl or 'shakespeare:...'")
   parser.add_argument("--seq_len", type=int, default=0, help="tokens per window (default: the run's seq_len)")
   parser.add_argument("--batch_size", type=int, default=0, help="windows per batch (default: the run's batch_size)")
@@ -90,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
   for name in ("seq_len", "batch_size", "max_batches"):
     if getattr(args, name) < 0:
       exit_with_error(f"--{name} must be ≥ 0, got {getattr(args, name)}")
-  metrics = run_or_exit(evaluate, args.checkpoint, args.data, args.seq_len, args.batch_size, args.max_batches,
-                        args.text_field)
-  print(f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | bits/byte "
-        f"{metrics['bits_per_byte']:.4f} | tokens {int(metrics['tokens']):,}")
+  metrics = run_or_exit(
+    evaluate, args.checkpoint, args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field
+  )
+  print(
+    f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | bits/byte "
+    f"{metrics['bits_per_byte']:.4f} | tokens {int(metrics['tokens']):,}"
+  )
   return 0
 
 

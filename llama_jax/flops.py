@@ -13,8 +13,14 @@ from llama_jax.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip, for MFU when train.peak_flops_per_device is 0.
 PEAK_FLOPS_BY_DEVICE_KIND = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
-    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,
+  "TPU v5e": 197e12,
+  "TPU v5p": 459e12,
+  "TPU v6 lite": 918e12,
+  "NVIDIA H100": 989e12,
+  "NVIDIA H200": 989e12,
+  "NVIDIA A100": 312e12,
 }
 
 

@@ -63,8 +63,7 @@ class FunctionHook(Hook):
 class TrainLoop:
   """Runs `step_fn(state, batch) -> (state, metrics)` from step `start` to `steps` over `batches`, calling hooks."""
 
-  def __init__(self, step_fn: Callable, batches: Iterator[dict[str, np.ndarray]], state: Any, start: int,
-               steps: int):
+  def __init__(self, step_fn: Callable, batches: Iterator[dict[str, np.ndarray]], state: Any, start: int, steps: int):
     self.step_fn, self.batches, self.state = step_fn, batches, state
     self.start, self.step, self.steps = start, start, steps
     self.hooks: list[Hook] = []
@@ -231,6 +230,7 @@ class ProgressHook(Hook):
 
   def __init__(self, start: int, total: int):
     from tqdm import tqdm
+
     self.bar = tqdm(initial=start, total=total, unit="step", dynamic_ncols=True)
 
   def after_step(self, info: StepInfo) -> None:

@@ -32,12 +32,14 @@ def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array
   return losses_BT, weights_BT
 
 
-def eval_step(params: Any, batch: dict[str, jax.Array], token_bytes: jax.Array, *,
-              graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
+def eval_step(
+  params: Any, batch: dict[str, jax.Array], token_bytes: jax.Array, *, graphdef: nnx.GraphDef
+) -> dict[str, jax.Array]:
   """Sums over a batch: loss (nats), tokens, and the UTF-8 bytes those tokens stand for (for bits per byte)."""
   losses, weights = token_losses(params, graphdef, batch)
-  return dict(loss_sum=jnp.sum(losses * weights), tokens=jnp.sum(weights),
-              bytes=jnp.sum(token_bytes[batch["targets"]] * weights))
+  return dict(
+    loss_sum=jnp.sum(losses * weights), tokens=jnp.sum(weights), bytes=jnp.sum(token_bytes[batch["targets"]] * weights)
+  )
 
 
 def perplexity(mean_loss: float) -> float:
@@ -47,5 +49,6 @@ def perplexity(mean_loss: float) -> float:
 def summarize_eval(sums: dict[str, float]) -> dict[str, float]:
   """Loss per token, perplexity and bits per byte from summed `eval_step` outputs."""
   loss = sums["loss_sum"] / max(sums["tokens"], 1.0)
-  return dict(loss=loss, perplexity=perplexity(loss),
-              bits_per_byte=sums["loss_sum"] / math.log(2) / max(sums["bytes"], 1.0))
+  return dict(
+    loss=loss, perplexity=perplexity(loss), bits_per_byte=sums["loss_sum"] / math.log(2) / max(sums["bytes"], 1.0)
+  )

@@ -47,14 +47,25 @@ class MetricsWriter:
   """Writes metrics of a step (`write`), and buffers each train step's device metrics to write them a step late
   (`add_step`, `flush`). Disabled (everything a no-op) on processes other than 0."""
 
-  def __init__(self, workdir: str, enabled: bool, *, log_every: int, tokens_per_step: int, flops_per_step: float,
-               peak_flops: float, start_step: int, echo: Callable[[str], None] | None = None):
+  def __init__(
+    self,
+    workdir: str,
+    enabled: bool,
+    *,
+    log_every: int,
+    tokens_per_step: int,
+    flops_per_step: float,
+    peak_flops: float,
+    start_step: int,
+    echo: Callable[[str], None] | None = None,
+  ):
     self.enabled, self.echo = enabled, echo or functools.partial(print, flush=True)
     self._jsonl = os.path.join(workdir, "metrics.jsonl")
     self._tensorboard = None
     if enabled:
       try:
         from tensorboardX import SummaryWriter
+
         self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
       except ImportError as e:  # tensorboardX itself, or google-cloud-storage for a gs:// workdir
         _log.warning("no TensorBoard events: %s", e)
@@ -105,9 +116,14 @@ class MetricsWriter:
     elapsed, steps = now - self._window_start, until - self._window_step
     loss = float(np.mean([m["loss"] for m in fetched]))
     self.last_train = dict(
-        loss=loss, grad_norm=float(fetched[-1]["grad_norm"]), lr=float(fetched[-1]["lr"]),
-        tokens_per_s=self._tokens_per_step * steps / elapsed, step_time_s=elapsed / steps,
-        mfu=self._flops_per_step * steps / elapsed / self._peak_flops, perplexity=perplexity(loss))
+      loss=loss,
+      grad_norm=float(fetched[-1]["grad_norm"]),
+      lr=float(fetched[-1]["lr"]),
+      tokens_per_s=self._tokens_per_step * steps / elapsed,
+      step_time_s=elapsed / steps,
+      mfu=self._flops_per_step * steps / elapsed / self._peak_flops,
+      perplexity=perplexity(loss),
+    )
     self.write(until, self.last_train)
     self._window_start, self._window_step = now, until
 

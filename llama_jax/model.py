@@ -81,7 +81,8 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
-        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+      cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     inv_freq = np.where(is_medium, blended, scaled)
@@ -128,14 +129,22 @@ class Attention(nnx.Module):
 
   def _output(self, out_BTNH: Array) -> Array:
     b, t, n, h = out_BTNH.shape
-    return project(out_BTNH.reshape(b, t, n * h), self.wo[...].astype(out_BTNH.dtype).reshape(n * h, -1))  # BTNH,NHD->BTD
+    return project(
+      out_BTNH.reshape(b, t, n * h), self.wo[...].astype(out_BTNH.dtype).reshape(n * h, -1)
+    )  # BTNH,NHD->BTD
 
   @jax.named_scope("attention")
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
     """Output [B, T, D]: each query attends to the earlier tokens of this call with its segment id."""
     q_BTNH, k_BTKH, v_BTKH = self._rotated_qkv(x_BTD, positions_BT)
-    out_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids=segment_ids_BT,
-                                       kv_segment_ids=segment_ids_BT, implementation=self.cfg.attention)
+    out_BTNH = attention_lib.attention(
+      q_BTNH,
+      k_BTKH,
+      v_BTKH,
+      q_segment_ids=segment_ids_BT,
+      kv_segment_ids=segment_ids_BT,
+      implementation=self.cfg.attention,
+    )
     return self._output(out_BTNH)
 
   @jax.named_scope("attention")
@@ -160,8 +169,9 @@ class Attention(nnx.Module):
       k_BKSH = jax.lax.dynamic_index_in_dim(k_LBKSH, cache.layer, keepdims=False)
       v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, cache.layer, keepdims=False)
       new_kv = (k_LBKSH, v_LBKSH)
-    out_BTNH = attention_lib.cached_attention(q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype),
-                                              q_positions=positions_BT, kv_positions=cache.positions)
+    out_BTNH = attention_lib.cached_attention(
+      q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype), q_positions=positions_BT, kv_positions=cache.positions
+    )
     return self._output(out_BTNH), new_kv
 
 
@@ -179,8 +189,9 @@ class MLP(nnx.Module):
     dtype = x_BTD.dtype
     gate_BTF = project(x_BTD, self.w_gate[...].astype(dtype))  # BTD,DF->BTF
     up_BTF = project(x_BTD, self.w_up[...].astype(dtype))  # BTD,DF->BTF
-    hidden_BTF = sharding.constrain(jax.nn.silu(gate_BTF) * up_BTF,
-                                    ("activation_batch", "activation_length", "activation_mlp"))
+    hidden_BTF = sharding.constrain(
+      jax.nn.silu(gate_BTF) * up_BTF, ("activation_batch", "activation_length", "activation_mlp")
+    )
     return project(hidden_BTF, self.w_down[...].astype(dtype))  # BTF,FD->BTD
 
 
@@ -215,6 +226,7 @@ EMPTY_POSITION = 2**30
 class LayerCache:
   """One layer's view of the KV cache: either the stacked k, v [L, B, K, S, H] and this layer's index in them, or
   (layer None) the layer's own k, v [B, K, S, H]; slot positions [B, S]; the next slot to write."""
+
   k: Array
   v: Array
   layer: Array | int | None
@@ -233,6 +245,7 @@ class KVCache:
   products read without a transpose. positions: [B, S] the position of the token in each slot (EMPTY_POSITION where
   empty or padding); index: int32 scalar, the next slot to write.
   """
+
   k: Array | tuple[Array, ...]
   v: Array | tuple[Array, ...]
   positions: Array
@@ -247,14 +260,13 @@ class KVCache:
     else:
       k = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
       v = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
-    return cls(k=k, v=v, positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32),
-               index=jnp.zeros((), jnp.int32))
+    return cls(k=k, v=v, positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32), index=jnp.zeros((), jnp.int32))
 
 
 _REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 
@@ -294,8 +306,7 @@ class Llama(nnx.Module):
   def stacked(self) -> bool:
     return not isinstance(self.layers, nnx.List)
 
-  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None,
-               segment_ids_BT: Array | None = None) -> Array:
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
     """Float32 logits [B, T, V]. Positions default to 0..T-1. Tokens attend only to earlier tokens with their
     segment id (packed sequences); id 0 marks padding."""
     cfg = self.cfg
@@ -320,26 +331,29 @@ class Llama(nnx.Module):
         x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
     return self._logits(x_BTD)
 
-  def decode(self, tokens_BT: Array, positions_BT: Array | None, cache: KVCache,
-             segment_ids_BT: Array | None = None) -> tuple[Array, KVCache]:
+  def decode(
+    self, tokens_BT: Array, positions_BT: Array | None, cache: KVCache, segment_ids_BT: Array | None = None
+  ) -> tuple[Array, KVCache]:
     """(float32 logits [B, T, V], updated cache). The T tokens fill slots index..index+T-1 (padding, segment id 0,
     is stored as empty) and attend to every earlier filled slot by position. Positions default to index..index+T-1."""
     if isinstance(cache.k, (tuple, list)) == self.stacked:
-      raise ValueError("a per-layer KV cache needs Llama(stacked_layers=False); the stacked model scans a stacked "
-                       "cache (KVCache.empty(..., per_layer=False))" if self.stacked else
-                       "Llama(stacked_layers=False) decodes with a per-layer KV cache "
-                       "(KVCache.empty(..., per_layer=True))")
+      raise ValueError(
+        "a per-layer KV cache needs Llama(stacked_layers=False); the stacked model scans a stacked "
+        "cache (KVCache.empty(..., per_layer=False))"
+        if self.stacked
+        else "Llama(stacked_layers=False) decodes with a per-layer KV cache (KVCache.empty(..., per_layer=True))"
+      )
     if positions_BT is None:
       positions_BT = cache.index + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = self._embed(tokens_BT)
-    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT,
-                                                                        EMPTY_POSITION)
+    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT, EMPTY_POSITION)
     slot_positions = jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
     if not self.stacked:
       k_all, v_all = list(cache.k), list(cache.v)
       for index, block in enumerate(self.layers):
-        layer_cache = LayerCache(k=k_all[index], v=v_all[index], layer=None, positions=slot_positions,
-                                 index=cache.index)
+        layer_cache = LayerCache(
+          k=k_all[index], v=v_all[index], layer=None, positions=slot_positions, index=cache.index
+        )
         x_BTD, (k_all[index], v_all[index]) = block.decode(x_BTD, positions_BT, layer_cache)
       k_all, v_all = tuple(k_all), tuple(v_all)
     else:
@@ -351,12 +365,12 @@ class Llama(nnx.Module):
         h_BTD, k_all, v_all = carry
         one_layer_state, index = layer
         layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
-        h_BTD, (k_all, v_all) = nnx.merge(graphdef, one_layer_state, copy=True).decode(h_BTD, positions_BT,
-                                                                                       layer_cache)
+        h_BTD, (k_all, v_all) = nnx.merge(graphdef, one_layer_state, copy=True).decode(h_BTD, positions_BT, layer_cache)
         return (h_BTD, k_all, v_all), None
 
-      (x_BTD, k_all, v_all), _ = jax.lax.scan(run_cached_layer, (x_BTD, cache.k, cache.v),
-                                              (layer_state, jnp.arange(self.cfg.n_layers)))
+      (x_BTD, k_all, v_all), _ = jax.lax.scan(
+        run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, jnp.arange(self.cfg.n_layers))
+      )
     new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
     return self._logits(x_BTD), new_cache
 

@@ -13,19 +13,28 @@ from llama_jax.config import TrainConfig
 
 def decay_mask(params: Any) -> Any:
   """AdamW weight decay on matrices only: norm scales (stored stacked, so 2-D) are excluded by name."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+  return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) != "scale", params)
 
 
 def learning_rate_schedule(train_cfg: TrainConfig) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
-      decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1), end_value=train_cfg.lr * train_cfg.min_lr_ratio)
+    init_value=0.0,
+    peak_value=train_cfg.lr,
+    warmup_steps=train_cfg.warmup_steps,
+    decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
+    end_value=train_cfg.lr * train_cfg.min_lr_ratio,
+  )
 
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
-  adamw = optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
-                      weight_decay=train_cfg.weight_decay, mask=decay_mask)
+  adamw = optax.adamw(
+    learning_rate_schedule(train_cfg),
+    b1=train_cfg.b1,
+    b2=train_cfg.b2,
+    eps=train_cfg.eps,
+    weight_decay=train_cfg.weight_decay,
+    mask=decay_mask,
+  )
   if train_cfg.clip_norm:
     return optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), adamw)
   return adamw

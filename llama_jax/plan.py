@@ -35,6 +35,7 @@ HBM_GIB = {"TPU v4": 32, "TPU v5e": 16, "TPU v5p": 95, "H100": 80, "H200": 141}
 @dataclasses.dataclass
 class Plan:
   """Per-device bytes of one compiled train step, and what produced them."""
+
   mesh: dict[str, int]
   devices: int
   n_params: int
@@ -88,17 +89,30 @@ def plan(run_config: RunConfig, devices=None) -> Plan:
   compiled = trainer.lower(state, batch).compile()
   memory = compiled.memory_analysis()
   attention = attention_lib.choose_implementation(
-      model_cfg.attention, jax.default_backend(), q_len=train_cfg.seq_len, kv_len=train_cfg.seq_len,
-      head_dim=model_cfg.head_dim, dtype=model_cfg.dtype, has_segment_ids=run_config.data.format == "chat",
-      has_positions=False)
+    model_cfg.attention,
+    jax.default_backend(),
+    q_len=train_cfg.seq_len,
+    kv_len=train_cfg.seq_len,
+    head_dim=model_cfg.head_dim,
+    dtype=model_cfg.dtype,
+    has_segment_ids=run_config.data.format == "chat",
+    has_positions=False,
+  )
   return Plan(
-      mesh=dict(mesh.shape), devices=len(devices), n_params=model_cfg.num_params(), attention=attention,
-      params_bytes=_device_bytes(state["params"]), opt_state_bytes=_device_bytes(state["opt_state"]),
-      batch_bytes=_device_bytes(batch), argument_bytes=memory.argument_size_in_bytes,
-      output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
-      temp_bytes=memory.temp_size_in_bytes,
-      model_flops=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
-      seconds=time.perf_counter() - start)
+    mesh=dict(mesh.shape),
+    devices=len(devices),
+    n_params=model_cfg.num_params(),
+    attention=attention,
+    params_bytes=_device_bytes(state["params"]),
+    opt_state_bytes=_device_bytes(state["opt_state"]),
+    batch_bytes=_device_bytes(batch),
+    argument_bytes=memory.argument_size_in_bytes,
+    output_bytes=memory.output_size_in_bytes,
+    alias_bytes=memory.alias_size_in_bytes,
+    temp_bytes=memory.temp_size_in_bytes,
+    model_flops=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
+    seconds=time.perf_counter() - start,
+  )
 
 
 def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
@@ -106,20 +120,20 @@ def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
   mesh = " × ".join(f"{axis} {size}" for axis, size in p.mesh.items())
   unit, scale = ("GiB", GIB) if p.peak_bytes >= GIB else ("MiB", 2**20)
   lines = [
-      f"model     {p.n_params:,} parameters ({model.param_dtype} storage, {model.dtype} compute), remat "
-      f"{model.remat}, attention {p.attention}",
-      f"mesh      {mesh} = {p.devices} devices",
-      f"batch     {train_cfg.batch_size} × {train_cfg.seq_len} tokens, grad_accum {train_cfg.grad_accum}",
-      f"per device ({unit}):",
-      f"  parameters        {p.params_bytes / scale:9.3f}",
-      f"  optimizer state   {p.opt_state_bytes / scale:9.3f}",
-      f"  batch             {p.batch_bytes / scale:9.3f}",
-      f"  arguments         {p.argument_bytes / scale:9.3f}   (compiled: state + batch)",
-      f"  temporaries       {p.temp_bytes / scale:9.3f}   (compiled: activations, gradients, scratch)",
-      f"  outputs not donated {(p.output_bytes - p.alias_bytes) / scale:7.3f}",
-      f"  peak              {p.peak_bytes / scale:9.3f}",
-      f"model FLOPs per step {p.model_flops:.3e} ({p.model_flops / p.devices:.3e} per device; remat recomputation "
-      f"not counted)",
+    f"model     {p.n_params:,} parameters ({model.param_dtype} storage, {model.dtype} compute), remat "
+    f"{model.remat}, attention {p.attention}",
+    f"mesh      {mesh} = {p.devices} devices",
+    f"batch     {train_cfg.batch_size} × {train_cfg.seq_len} tokens, grad_accum {train_cfg.grad_accum}",
+    f"per device ({unit}):",
+    f"  parameters        {p.params_bytes / scale:9.3f}",
+    f"  optimizer state   {p.opt_state_bytes / scale:9.3f}",
+    f"  batch             {p.batch_bytes / scale:9.3f}",
+    f"  arguments         {p.argument_bytes / scale:9.3f}   (compiled: state + batch)",
+    f"  temporaries       {p.temp_bytes / scale:9.3f}   (compiled: activations, gradients, scratch)",
+    f"  outputs not donated {(p.output_bytes - p.alias_bytes) / scale:7.3f}",
+    f"  peak              {p.peak_bytes / scale:9.3f}",
+    f"model FLOPs per step {p.model_flops:.3e} ({p.model_flops / p.devices:.3e} per device; remat recomputation "
+    f"not counted)",
   ]
   targets = dict(HBM_GIB)
   if hbm_gib:

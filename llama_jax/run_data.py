@@ -21,6 +21,7 @@ from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 @dataclasses.dataclass
 class RunData:
   """What the loop needs from the data, for either format: train batches, validation examples, summary counts."""
+
   dataset: Any
   val_examples: Any
   summary: str
@@ -63,14 +64,24 @@ def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, Ru
 def _prepare_text(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunData]:
   data_cfg, train_cfg = run_config.data, run_config.train
   prepared_dir = data_cfg.prepared_dir or checkpoint_lib.local_dir(workdir, "data")
-  train_docs, _ = data_lib.split_documents(data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction,
-                                           run_config.seed)
+  train_docs, _ = data_lib.split_documents(
+    data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
+  )
   tokenizer = load_tokenizer_for_run(
-      run_config, workdir, lambda: (data_lib.read_document(ref, data_cfg.text_field)[0] for ref in train_docs))
-  meta = data_lib.prepare(data_cfg.sources, data_cfg.val_sources, tokenizer, prepared_dir,
-                          val_fraction=data_cfg.val_fraction, seed=run_config.seed, text_field=data_cfg.text_field)
-  dataset = data_lib.train_dataset(prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed,
-                                   jax.process_index(), jax.process_count())
+    run_config, workdir, lambda: (data_lib.read_document(ref, data_cfg.text_field)[0] for ref in train_docs)
+  )
+  meta = data_lib.prepare(
+    data_cfg.sources,
+    data_cfg.val_sources,
+    tokenizer,
+    prepared_dir,
+    val_fraction=data_cfg.val_fraction,
+    seed=run_config.seed,
+    text_field=data_cfg.text_field,
+  )
+  dataset = data_lib.train_dataset(
+    prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()
+  )
   summary = f"train {meta['train']['tokens']:,} tokens, val {meta['val']['tokens']:,} tokens"
   return tokenizer, RunData(dataset, data_lib.validation_windows(prepared_dir, train_cfg.seq_len), summary)
 
@@ -84,14 +95,24 @@ def _prepare_chat(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunDa
       yield from (m["content"] for m in messages)
 
   tokenizer = load_tokenizer_for_run(run_config, workdir, texts)
-  meta = chat_data.prepare_sft(data_cfg.sources, tokenizer, prepared_dir, seq_len=train_cfg.seq_len,
-                               val_fraction=data_cfg.val_fraction, seed=run_config.seed, on_error=data_cfg.on_error)
-  dataset = chat_data.sft_train_dataset(prepared_dir, train_cfg.batch_size, run_config.seed, jax.process_index(),
-                                        jax.process_count())
+  meta = chat_data.prepare_sft(
+    data_cfg.sources,
+    tokenizer,
+    prepared_dir,
+    seq_len=train_cfg.seq_len,
+    val_fraction=data_cfg.val_fraction,
+    seed=run_config.seed,
+    on_error=data_cfg.on_error,
+  )
+  dataset = chat_data.sft_train_dataset(
+    prepared_dir, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()
+  )
   splits = (meta["train"], meta["val"])
-  summary = (f"conversations: train {meta['train']['conversations']:,} ({meta['train']['rows']:,} packed rows), "
-             f"val {meta['val']['conversations']:,}; skipped {meta['skipped']:,} bad, "
-             f"{sum(s['dropped_exchanges'] for s in splits):,} old exchanges dropped and "
-             f"{sum(s['truncated_prompts'] for s in splits):,} prompts cut to fit, "
-             f"{sum(s['too_long'] for s in splits):,} too long")
+  summary = (
+    f"conversations: train {meta['train']['conversations']:,} ({meta['train']['rows']:,} packed rows), "
+    f"val {meta['val']['conversations']:,}; skipped {meta['skipped']:,} bad, "
+    f"{sum(s['dropped_exchanges'] for s in splits):,} old exchanges dropped and "
+    f"{sum(s['truncated_prompts'] for s in splits):,} prompts cut to fit, "
+    f"{sum(s['too_long'] for s in splits):,} too long"
+  )
   return tokenizer, RunData(dataset, chat_data.PackedRows(prepared_dir, "val"), summary)

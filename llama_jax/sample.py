@@ -40,6 +40,7 @@ class SampleError(LlamaJaxError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off. All sampling math is float32."""
+
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -81,6 +82,7 @@ def next_token(logits_BV: jax.Array, rng: jax.Array, sampling: SamplingConfig) -
 class DecodeState:
   """What the decode loop carries: the cache, each row's last token, next position and done flag, the RNG, the
   number of steps taken, and the tokens emitted so far [B, max_new_tokens]."""
+
   cache: KVCache
   token: jax.Array
   position: jax.Array
@@ -90,9 +92,18 @@ class DecodeState:
   tokens: jax.Array
 
 
-def prefill(params: Any, prompts_BP: jax.Array, lengths_B: jax.Array, cache: KVCache, rng: jax.Array, *,
-            graphdef: nnx.GraphDef, sampling: SamplingConfig, max_new_tokens: int,
-            stop_ids: tuple[int, ...]) -> DecodeState:
+def prefill(
+  params: Any,
+  prompts_BP: jax.Array,
+  lengths_B: jax.Array,
+  cache: KVCache,
+  rng: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  sampling: SamplingConfig,
+  max_new_tokens: int,
+  stop_ids: tuple[int, ...],
+) -> DecodeState:
   """Runs the right-padded prompts through the model into the cache and samples each row's first new token."""
   model = nnx.merge(graphdef, params)
   batch, bucket = prompts_BP.shape
@@ -103,13 +114,27 @@ def prefill(params: Any, prompts_BP: jax.Array, lengths_B: jax.Array, cache: KVC
   rng, step_rng = jax.random.split(rng)
   token_B = next_token(last_BV, step_rng, sampling)
   tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
-  return DecodeState(cache=cache, token=token_B, position=lengths_B.astype(jnp.int32),
-                     done=jnp.isin(token_B, jnp.asarray(stop_ids)), rng=rng, step=jnp.ones((), jnp.int32),
-                     tokens=tokens)
+  return DecodeState(
+    cache=cache,
+    token=token_B,
+    position=lengths_B.astype(jnp.int32),
+    done=jnp.isin(token_B, jnp.asarray(stop_ids)),
+    rng=rng,
+    step=jnp.ones((), jnp.int32),
+    tokens=tokens,
+  )
 
 
-def decode(params: Any, state: DecodeState, until_step: jax.Array, *, graphdef: nnx.GraphDef,
-           sampling: SamplingConfig, stop_ids: tuple[int, ...], pad_id: int) -> DecodeState:
+def decode(
+  params: Any,
+  state: DecodeState,
+  until_step: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  sampling: SamplingConfig,
+  stop_ids: tuple[int, ...],
+  pad_id: int,
+) -> DecodeState:
   """Emits tokens until `until_step` tokens exist or every row is done: one compiled while_loop, no Python per
   token. Called once with until_step = max_new_tokens for a batch, or in chunks to stream."""
   model = nnx.merge(graphdef, params)
@@ -125,8 +150,15 @@ def decode(params: Any, state: DecodeState, until_step: jax.Array, *, graphdef: 
     token_B = next_token(logits_B1V[:, 0], step_rng, sampling)
     token_B = jnp.where(s.done, pad_id, token_B)  # finished rows no longer change
     tokens = jax.lax.dynamic_update_slice(s.tokens, token_B[:, None], (0, s.step))
-    return DecodeState(cache=cache, token=token_B, position=s.position + 1, done=s.done | jnp.isin(token_B, stop),
-                       rng=rng, step=s.step + 1, tokens=tokens)
+    return DecodeState(
+      cache=cache,
+      token=token_B,
+      position=s.position + 1,
+      done=s.done | jnp.isin(token_B, stop),
+      rng=rng,
+      step=s.step + 1,
+      tokens=tokens,
+    )
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -151,15 +183,28 @@ class Sampler:
   # Cached per sampler (the cache holding `self` is intended: a sampler lives as long as its compiled programs).
   @functools.lru_cache(maxsize=32)  # noqa: B019
   def _compiled(self, sampling: SamplingConfig, max_new_tokens: int, stop_ids: tuple[int, ...]):
-    prefill_fn = jax.jit(functools.partial(prefill, graphdef=self.graphdef, sampling=sampling,
-                                           max_new_tokens=max_new_tokens, stop_ids=stop_ids), donate_argnums=(3,))
-    decode_fn = jax.jit(functools.partial(decode, graphdef=self.graphdef, sampling=sampling, stop_ids=stop_ids,
-                                          pad_id=self.pad_id), donate_argnums=(1,))
+    prefill_fn = jax.jit(
+      functools.partial(
+        prefill, graphdef=self.graphdef, sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=stop_ids
+      ),
+      donate_argnums=(3,),
+    )
+    decode_fn = jax.jit(
+      functools.partial(decode, graphdef=self.graphdef, sampling=sampling, stop_ids=stop_ids, pad_id=self.pad_id),
+      donate_argnums=(1,),
+    )
     return prefill_fn, decode_fn
 
-  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               seed: int = 0, stop_ids: Sequence[int] = (), chunk: int = 0,
-               on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> list[list[int]]:
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    chunk: int = 0,
+    on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+  ) -> list[list[int]]:
     """Each prompt's new tokens, cut after the first stop token (eos or `stop_ids`, which is kept out of the text).
 
     With `chunk` > 0 the loop runs `chunk` tokens per call and `on_tokens(new_tokens [B, n], done [B])` sees them as
@@ -171,7 +216,7 @@ class Sampler:
     bucket = bucket_length(int(lengths.max()), self.cfg.max_seq_len - max_new_tokens)
     padded = np.full((len(prompts), bucket), self.pad_id, np.int32)
     for row, prompt in enumerate(prompts):
-      padded[row, :len(prompt)] = prompt
+      padded[row, : len(prompt)] = prompt
     prefill_fn, decode_fn = self._compiled(sampling, max_new_tokens, stops)
     cache = KVCache.empty(self.cfg, len(prompts), bucket + max_new_tokens, per_layer=True)
     state = prefill_fn(self.params, jnp.asarray(padded), jnp.asarray(lengths), cache, jax.random.key(seed))
@@ -198,9 +243,11 @@ class Sampler:
       raise SampleError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > self.cfg.max_seq_len:
-      raise SampleError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
-                        f"exceeds the model's max_seq_len {self.cfg.max_seq_len}; shorten the prompt or lower "
-                        f"--max_new_tokens to at most {self.cfg.max_seq_len - longest}")
+      raise SampleError(
+        f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+        f"exceeds the model's max_seq_len {self.cfg.max_seq_len}; shorten the prompt or lower "
+        f"--max_new_tokens to at most {self.cfg.max_seq_len - longest}"
+      )
 
 
 def _until_stop(tokens: np.ndarray, stops: tuple[int, ...]) -> list[int]:
@@ -225,7 +272,9 @@ def load_sampler(checkpoint_dir: str) -> tuple[Sampler, Tokenizer]:
 
 def main(argv: list[str] | None = None) -> int:
   parser = ArgumentParser(prog="python -m llama_jax.sample", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)")
+  parser.add_argument(
+    "--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)"
+  )
   parser.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
   parser.add_argument("--prompt_file", help="a file with one prompt per line")
   parser.add_argument("--max_new_tokens", type=int, default=128)
@@ -233,11 +282,19 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
   parser.add_argument("--top_p", type=float, default=0.95, help="nucleus: smallest set with this mass (1 = off)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--chat", action="store_true", help="multi-turn chat in the LLaMA 2 template: turns from the "
-                      "terminal, or one per line of stdin when it is not a terminal")
+  parser.add_argument(
+    "--chat",
+    action="store_true",
+    help="multi-turn chat in the LLaMA 2 template: turns from the "
+    "terminal, or one per line of stdin when it is not a terminal",
+  )
   parser.add_argument("--system", help="--chat: a system prompt")
-  parser.add_argument("--stream", choices=("auto", "yes", "no"), default="auto",
-                      help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)")
+  parser.add_argument(
+    "--stream",
+    choices=("auto", "yes", "no"),
+    default="auto",
+    help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)",
+  )
   args = parser.parse_args(argv)
   if args.chat:
     from llama_jax import chat_repl  # the REPL sits on top of this module

@@ -60,13 +60,16 @@ def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> 
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
     if per_slice % known:
-      raise ShardingError(f"mesh axes other than -1 multiply to {known}, which does not divide the "
-                          f"{per_slice} devices" + (f" of each of the {dcn} slices" if dcn > 1 else ""))
+      raise ShardingError(
+        f"mesh axes other than -1 multiply to {known}, which does not divide the "
+        f"{per_slice} devices" + (f" of each of the {dcn} slices" if dcn > 1 else "")
+      )
     sizes[sizes.index(-1)] = per_slice // known
   if math.prod(sizes) != per_slice:
     where = f"devices per slice ({n_devices} devices / dcn_data {dcn})" if dcn > 1 else "devices are available"
-    raise ShardingError(f"mesh data×fsdp×tensor = {sizes[0]}×{sizes[1]}×{sizes[2]} = {math.prod(sizes)} "
-                        f"devices, but {per_slice} {where}")
+    raise ShardingError(
+      f"mesh data×fsdp×tensor = {sizes[0]}×{sizes[1]}×{sizes[2]} = {math.prod(sizes)} devices, but {per_slice} {where}"
+    )
   return dcn * sizes[0], sizes[1], sizes[2]
 
 
@@ -85,23 +88,24 @@ def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.De
   by_process = not hasattr(devices[0], "slice_index")
   granules = len({getattr(d, "process_index" if by_process else "slice_index") for d in devices})
   if granules != dcn:
-    raise ShardingError(f"mesh.dcn_data is {dcn} but the devices form {granules} "
-                        f"{'processes' if by_process else 'slices'}")
-  grid = mesh_utils.create_hybrid_device_mesh((shape[0] // dcn, shape[1], shape[2]), (dcn, 1, 1), devices,
-                                              process_is_granule=by_process)
+    raise ShardingError(
+      f"mesh.dcn_data is {dcn} but the devices form {granules} {'processes' if by_process else 'slices'}"
+    )
+  grid = mesh_utils.create_hybrid_device_mesh(
+    (shape[0] // dcn, shape[1], shape[2]), (dcn, 1, 1), devices, process_is_granule=by_process
+  )
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
-  """Maps logical axis names to a PartitionSpec; a name missing from the rules is an error, never replicated silently."""
+  """Logical axis names → a PartitionSpec; a name missing from the rules is an error, never replicated silently."""
   table = dict(rules)
   mesh_axes = []
   for name in logical_axes:
     if name is None:
       mesh_axes.append(None)
     elif name not in table:
-      raise ShardingError(f"logical axis {name!r} has no rule; add it to logical_axis_rules "
-                          f"(known: {sorted(table)})")
+      raise ShardingError(f"logical axis {name!r} has no rule; add it to logical_axis_rules (known: {sorted(table)})")
     else:
       mesh_axes.append(table[name])
   return PartitionSpec(*mesh_axes)
@@ -147,8 +151,9 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Rules) -> Any:
       shards = math.prod(mesh.shape[a] for a in axes)
       if size % shards:
         raise ShardingError(
-            f"parameter {_path_name(path)} has shape {tuple(variable.shape)}: axis {dim} ({logical[dim]!r}) of size "
-            f"{size} is not divisible by mesh axes {'×'.join(axes)} = {shards}; change the mesh or the rules")
+          f"parameter {_path_name(path)} has shape {tuple(variable.shape)}: axis {dim} ({logical[dim]!r}) of size "
+          f"{size} is not divisible by mesh axes {'×'.join(axes)} = {shards}; change the mesh or the rules"
+        )
     return variable.replace(NamedSharding(mesh, spec))
 
   return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -95,8 +95,9 @@ class Tokenizer:
     if ids_array.size == 0:
       return ""
     if ids_array.ndim != 1 or not np.issubdtype(ids_array.dtype, np.integer):
-      raise TokenizerError(f"decode expects a 1-d sequence of integer ids, got shape {ids_array.shape} of "
-                           f"{ids_array.dtype}")
+      raise TokenizerError(
+        f"decode expects a 1-d sequence of integer ids, got shape {ids_array.shape} of {ids_array.dtype}"
+      )
     bad = ids_array[(ids_array < 0) | (ids_array >= self.vocab_size)]
     if bad.size:
       raise TokenizerError(f"token id {int(bad[0])} is out of range [0, {self.vocab_size})")
@@ -140,7 +141,7 @@ def decode_utf8_counting(data: bytes) -> tuple[str, int]:
       break
     except UnicodeDecodeError as e:
       # The strict error carries the same span the "replace" handler would replace.
-      parts.append(codecs.utf_8_decode(view[start:start + e.start], "strict", True)[0])
+      parts.append(codecs.utf_8_decode(view[start : start + e.start], "strict", True)[0])
       parts.append("\ufffd")
       replaced += e.end - e.start
       start += e.end
@@ -236,9 +237,18 @@ _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 
 
-def train_tokenizer(inputs: Sequence[str], vocab_size: int, out_dir: str, *, model_prefix: str = "tokenizer",
-                    num_threads: int = 2, max_sentence_length: int = 16384, character_coverage: float = 0.9995,
-                    overwrite: bool = False, verbose: bool = False) -> str:
+def train_tokenizer(
+  inputs: Sequence[str],
+  vocab_size: int,
+  out_dir: str,
+  *,
+  model_prefix: str = "tokenizer",
+  num_threads: int = 2,
+  max_sentence_length: int = 16384,
+  character_coverage: float = 0.9995,
+  overwrite: bool = False,
+  verbose: bool = False,
+) -> str:
   """Trains a lossless BPE tokenizer in Meta's layout on text files; returns the path of ``out_dir/<prefix>.model``.
 
   Each non-empty line is a sentence (cut at spaces when longer than ``max_sentence_length`` bytes); sentencepiece
@@ -266,29 +276,32 @@ def train_tokenizer(inputs: Sequence[str], vocab_size: int, out_dir: str, *, mod
   model = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences(),
-        model_writer=model,
-        model_type="bpe",
-        vocab_size=vocab_size,
-        # Lossless: bytes of characters without a piece fall back to <0xNN> pieces, and the text is left as it is
-        # (no NFKC, no whitespace squeezing), so decode(encode(s)) == s.
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        # As Meta does. The dummy prefix keeps the round trip: encode adds one "▁" before the text and decode drops
-        # exactly one, so leading spaces survive (tests check it); it makes "hello" at the start and mid-text share
-        # the piece "▁hello".
-        add_dummy_prefix=True,
-        split_digits=True,
-        allow_whitespace_only_pieces=True,
-        # With byte fallback, coverage never loses text; it decides which rare characters get a piece of their own.
-        # sentencepiece's CJK-safe default 0.9995 (Meta: 0.99995 on far more text) keeps stray symbols, rare hanzi
-        # and emoji from taking slots of a small vocabulary; they cost a few byte tokens instead.
-        character_coverage=character_coverage,
-        max_sentence_length=max_sentence_length,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        num_threads=num_threads,
-        minloglevel=0 if verbose else 2,
+      sentence_iterator=sentences(),
+      model_writer=model,
+      model_type="bpe",
+      vocab_size=vocab_size,
+      # Lossless: bytes of characters without a piece fall back to <0xNN> pieces, and the text is left as it is
+      # (no NFKC, no whitespace squeezing), so decode(encode(s)) == s.
+      byte_fallback=True,
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      # As Meta does. The dummy prefix keeps the round trip: encode adds one "▁" before the text and decode drops
+      # exactly one, so leading spaces survive (tests check it); it makes "hello" at the start and mid-text share
+      # the piece "▁hello".
+      add_dummy_prefix=True,
+      split_digits=True,
+      allow_whitespace_only_pieces=True,
+      # With byte fallback, coverage never loses text; it decides which rare characters get a piece of their own.
+      # sentencepiece's CJK-safe default 0.9995 (Meta: 0.99995 on far more text) keeps stray symbols, rare hanzi
+      # and emoji from taking slots of a small vocabulary; they cost a few byte tokens instead.
+      character_coverage=character_coverage,
+      max_sentence_length=max_sentence_length,
+      unk_id=0,
+      bos_id=1,
+      eos_id=2,
+      pad_id=-1,
+      num_threads=num_threads,
+      minloglevel=0 if verbose else 2,
     )
   except RuntimeError as e:
     if read_errors:
@@ -325,11 +338,15 @@ def _training_error(error: RuntimeError, reader: CorpusReader, vocab_size: int) 
   if reader.lines == 0:
     return TokenizerError(f"no text to train on: every line of {', '.join(map(repr, reader.paths))} is empty")
   if match := _TOO_HIGH.search(message):
-    return TokenizerError(f"vocab_size {vocab_size} is larger than this corpus supports (at most {match[2]}); "
-                          "lower --vocab_size or add text")
+    return TokenizerError(
+      f"vocab_size {vocab_size} is larger than this corpus supports (at most {match[2]}); "
+      "lower --vocab_size or add text"
+    )
   if match := _TOO_SMALL.search(message):
-    return TokenizerError(f"vocab_size {vocab_size} is too small for this corpus: 3 special tokens, 256 byte tokens "
-                          f"and its common characters need at least {match[2]}; raise --vocab_size")
+    return TokenizerError(
+      f"vocab_size {vocab_size} is too small for this corpus: 3 special tokens, 256 byte tokens "
+      f"and its common characters need at least {match[2]}; raise --vocab_size"
+    )
   return TokenizerError(f"sentencepiece training failed: {message}")
 
 
@@ -360,8 +377,13 @@ def corpus_stats(tokenizer: Tokenizer, inputs: Sequence[str], batch_lines: int =
 
 def main(argv: list[str] | None = None) -> int:
   parser = ArgumentParser(prog="python -m llama_jax.tokenizer", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--input", nargs="+", required=True, metavar="PATHS",
-                      help="text files, directories (every file below) or glob patterns")
+  parser.add_argument(
+    "--input",
+    nargs="+",
+    required=True,
+    metavar="PATHS",
+    help="text files, directories (every file below) or glob patterns",
+  )
   parser.add_argument("--vocab_size", type=int, required=True, help="number of tokens, e.g. 32000")
   parser.add_argument("--out", required=True, metavar="DIR", help=f"directory to write {TOKENIZER_FILE} to")
   parser.add_argument("--overwrite", action="store_true", help=f"replace an existing DIR/{TOKENIZER_FILE}")
@@ -370,15 +392,23 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
   files = run_or_exit(expand_inputs, args.input)
-  model_path = run_or_exit(train_tokenizer, files, args.vocab_size, args.out, num_threads=args.num_threads,
-                           overwrite=args.overwrite, verbose=args.verbose)
+  model_path = run_or_exit(
+    train_tokenizer,
+    files,
+    args.vocab_size,
+    args.out,
+    num_threads=args.num_threads,
+    overwrite=args.overwrite,
+    verbose=args.verbose,
+  )
   tokenizer = Tokenizer(model_path)
   stats = run_or_exit(corpus_stats, tokenizer, files)
   print(f"wrote {model_path}")
   print(f"vocab size: {tokenizer.vocab_size}")
   print(f"replaced bytes: {stats.replaced_bytes} (not valid UTF-8, read as U+FFFD)")
-  print(f"bytes/token: {stats.bytes_per_token:.3f} ({stats.bytes:,} bytes, {stats.tokens:,} tokens, "
-        f"{len(files)} files)")
+  print(
+    f"bytes/token: {stats.bytes_per_token:.3f} ({stats.bytes:,} bytes, {stats.tokens:,} tokens, {len(files)} files)"
+  )
   return 0
 
 

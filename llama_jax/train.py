@@ -53,8 +53,15 @@ from llama_jax.run_data import prepare_run_data
 State = dict[str, Any]  # {"step": int32[], "params": pure dict, "opt_state": optax state, "rng": uint32[2]}
 
 
-def train_step(state: State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int) -> tuple[State, dict]:
+def train_step(
+  state: State,
+  batch: dict[str, jax.Array],
+  *,
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  grad_accum: int,
+) -> tuple[State, dict]:
   """One optimizer step on a global batch, split into `grad_accum` micro-batches scanned in order.
 
   Gradients are of the *summed* token loss and divided by the total weight at the end, so accumulation gives the
@@ -76,15 +83,19 @@ def train_step(state: State, batch: dict[str, jax.Array], *, graphdef: nnx.Graph
       (loss_sum, weight_sum), grads = grad_fn(params, micro)
       return jax.tree.map(jnp.add, carry, (loss_sum, weight_sum, grads)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = (
+      jnp.zeros((), jnp.float32),
+      jnp.zeros((), jnp.float32),
+      jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+    )
     (loss_sum, weight_sum, grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   denominator = jnp.maximum(weight_sum, 1.0)
   grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, params)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
   new_state = dict(state, step=state["step"] + 1, params=optax.apply_updates(params, updates), opt_state=opt_state)
-  metrics = dict(loss=loss_sum / denominator, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
-                 tokens=weight_sum)
+  metrics = dict(
+    loss=loss_sum / denominator, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]), tokens=weight_sum
+  )
   return new_state, metrics
 
 
@@ -108,41 +119,56 @@ class Trainer:
     # Optimizer moments are sharded like their parameters (XLA would replicate the zeros tx.init creates); counts
     # and other non-parameter fields are replicated.
     opt_shardings = optax.tree_utils.tree_map_params(
-        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, abstract_params), param_shardings,
-        transform_non_params=lambda _: replicated)
+      self.tx,
+      lambda _, s: s,
+      jax.eval_shape(self.tx.init, abstract_params),
+      param_shardings,
+      transform_non_params=lambda _: replicated,
+    )
     self.state_shardings = dict(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
-    self.batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(
-        ("activation_batch", "activation_length"), self.rules))
+    self.batch_sharding = NamedSharding(
+      mesh, sharding.logical_to_spec(("activation_batch", "activation_length"), self.rules)
+    )
     batch_axes = self.batch_sharding.spec[0] or ()
     batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
     batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
     micro_batch = train_cfg.batch_size // train_cfg.grad_accum
     if micro_batch % batch_shards:
       raise sharding.ShardingError(
-          f"the batch of {micro_batch} sequences (train.batch_size {train_cfg.batch_size} / grad_accum "
-          f"{train_cfg.grad_accum}) is not divisible by the {batch_shards} batch shards (mesh "
-          f"{'×'.join(f'{a}={mesh.shape[a]}' for a in batch_axes)}); change the batch or the mesh")
+        f"the batch of {micro_batch} sequences (train.batch_size {train_cfg.batch_size} / grad_accum "
+        f"{train_cfg.grad_accum}) is not divisible by the {batch_shards} batch shards (mesh "
+        f"{'×'.join(f'{a}={mesh.shape[a]}' for a in batch_axes)}); change the batch or the mesh"
+      )
     self._train_step = jax.jit(
-        functools.partial(train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
-                          grad_accum=train_cfg.grad_accum),
-        in_shardings=(self.state_shardings, self.batch_sharding), out_shardings=(self.state_shardings, replicated),
-        donate_argnums=0)
-    self._eval_step = jax.jit(functools.partial(eval_step, graphdef=self.graphdef),
-                              in_shardings=(param_shardings, self.batch_sharding, replicated),
-                              out_shardings=replicated)
+      functools.partial(
+        train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule, grad_accum=train_cfg.grad_accum
+      ),
+      in_shardings=(self.state_shardings, self.batch_sharding),
+      out_shardings=(self.state_shardings, replicated),
+      donate_argnums=0,
+    )
+    self._eval_step = jax.jit(
+      functools.partial(eval_step, graphdef=self.graphdef),
+      in_shardings=(param_shardings, self.batch_sharding, replicated),
+      out_shardings=replicated,
+    )
 
   def abstract_state(self) -> State:
     shapes = jax.eval_shape(self._init_state)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                        self.state_shardings)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """A global batch of this run as shapes: inputs and targets, plus weights, segment ids and positions for chat."""
     train_cfg = self.run_config.train
     keys = SFT_KEYS if self.run_config.data.format == "chat" else ("inputs", "targets")
-    return {k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len),
-                                    np.float32 if k == "weights" else np.int32, sharding=self.batch_sharding)
-            for k in keys}
+    return {
+      k: jax.ShapeDtypeStruct(
+        (train_cfg.batch_size, train_cfg.seq_len),
+        np.float32 if k == "weights" else np.int32,
+        sharding=self.batch_sharding,
+      )
+      for k in keys
+    }
 
   def lower(self, state: State | None = None, batch: dict[str, Any] | None = None) -> jax.stages.Lowered:
     """The train step lowered for this run (abstract state and batch unless given, so nothing is allocated);
@@ -154,8 +180,12 @@ class Trainer:
 
   def _init_state(self) -> State:
     params = nnx.to_pure_dict(nnx.state(Llama(self.model_cfg, rngs=nnx.Rngs(self.run_config.seed))))
-    return dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                rng=jax.random.key_data(jax.random.key(self.run_config.seed)))
+    return dict(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=self.tx.init(params),
+      rng=jax.random.key_data(jax.random.key(self.run_config.seed)),
+    )
 
   def init_state(self) -> State:
     with sharding.activate(self.mesh, self.rules):
@@ -163,8 +193,9 @@ class Trainer:
 
   def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows → one global array per key, split over the mesh as the batch rules say."""
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-            for k, v in local_batch.items()}
+    return {
+      k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v)) for k, v in local_batch.items()
+    }
 
   def train_step(self, state: State, batch: dict[str, jax.Array]) -> tuple[State, dict]:
     with sharding.activate(self.mesh, self.rules):
@@ -181,8 +212,9 @@ class Trainer:
     return summarize_eval({k: float(v) for k, v in jax.device_get(totals).items()})
 
 
-def _restore_or_init(trainer: Trainer, checkpointer: checkpoint_lib.TrainCheckpointer, data_iter,
-                     run_config: RunConfig) -> tuple[State, int]:
+def _restore_or_init(
+  trainer: Trainer, checkpointer: checkpoint_lib.TrainCheckpointer, data_iter, run_config: RunConfig
+) -> tuple[State, int]:
   """(state, start step): the latest complete checkpoint (data iterator restored too), or a fresh state whose
   parameters come from `init_from` when set."""
   start = checkpointer.latest_step()
@@ -192,8 +224,9 @@ def _restore_or_init(trainer: Trainer, checkpointer: checkpoint_lib.TrainCheckpo
     return state, start
   state = trainer.init_state()
   if run_config.init_from:
-    state["params"] = checkpoint_lib.load_init_params(run_config.init_from, run_config.model,
-                                                      trainer.state_shardings["params"])
+    state["params"] = checkpoint_lib.load_init_params(
+      run_config.init_from, run_config.model, trainer.state_shardings["params"]
+    )
   return state, 0
 
 
@@ -205,47 +238,68 @@ def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ())
   model_cfg, train_cfg, is_main = run_config.model, run_config.train, distributed.is_main_process()
   trainer = Trainer(model_cfg, run_config, sharding.make_mesh(run_config.mesh))  # mesh and shapes checked too
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  checkpointer = checkpoint_lib.TrainCheckpointer(workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every,
-                                                  async_save=train_cfg.async_save)
+  checkpointer = checkpoint_lib.TrainCheckpointer(
+    workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every, async_save=train_cfg.async_save
+  )
   checkpointer.check_compatible(model_cfg)  # before anything is written to the workdir
   tokenizer, run_data = prepare_run_data(run_config, workdir)
   if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise data_lib.DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                             f"{model_cfg.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size}")
+    raise data_lib.DataError(
+      f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+      f"{model_cfg.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size}"
+    )
   if is_main:
     checkpointer.write_metadata(model_cfg, run_config.to_json(), tokenizer.serialized())
   data_iter = iter(run_data.dataset)
   state, start = _restore_or_init(trainer, checkpointer, data_iter, run_config)
-  token_bytes = jax.device_put(np.asarray(tokenizer.token_byte_lengths(), np.float32),
-                               NamedSharding(trainer.mesh, PartitionSpec()))
+  token_bytes = jax.device_put(
+    np.asarray(tokenizer.token_byte_lengths(), np.float32), NamedSharding(trainer.mesh, PartitionSpec())
+  )
 
   progress = ProgressHook(start, train_cfg.steps) if is_main and sys.stderr.isatty() else None
   echo = progress.bar.write if progress is not None else functools.partial(print, flush=True)
-  writer = MetricsWriter(workdir, is_main, log_every=train_cfg.log_every, echo=echo, start_step=start,
-                         tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
-                         flops_per_step=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size
-                         * train_cfg.seq_len,
-                         peak_flops=peak_flops_per_device(train_cfg.peak_flops_per_device) * jax.device_count())
-  evaluator = EvalHook(lambda params: trainer.evaluate(params, data_lib.eval_batches(
-      run_data.val_examples, train_cfg.batch_size, train_cfg.eval_batches, jax.process_index(),
-      jax.process_count()), token_bytes), writer, train_cfg.eval_every)
+  writer = MetricsWriter(
+    workdir,
+    is_main,
+    log_every=train_cfg.log_every,
+    echo=echo,
+    start_step=start,
+    tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
+    flops_per_step=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
+    peak_flops=peak_flops_per_device(train_cfg.peak_flops_per_device) * jax.device_count(),
+  )
+  evaluator = EvalHook(
+    lambda params: trainer.evaluate(
+      params,
+      data_lib.eval_batches(
+        run_data.val_examples, train_cfg.batch_size, train_cfg.eval_batches, jax.process_index(), jax.process_count()
+      ),
+      token_bytes,
+    ),
+    writer,
+    train_cfg.eval_every,
+  )
   fine_tune_start = start == 0 and bool(run_config.init_from)
   if is_main:
-    echo(f"model {model_cfg.num_params():,} params | mesh {dict(trainer.mesh.shape)} | {run_data.summary} | steps "
-         f"{start} → {train_cfg.steps}" + (f" | init from {run_config.init_from}" if fine_tune_start else ""))
+    echo(
+      f"model {model_cfg.num_params():,} params | mesh {dict(trainer.mesh.shape)} | {run_data.summary} | steps "
+      f"{start} → {train_cfg.steps}" + (f" | init from {run_config.init_from}" if fine_tune_start else "")
+    )
 
-  loop = TrainLoop(lambda s, b: trainer.train_step(s, trainer.global_batch(b)), data_iter, state, start,
-                   train_cfg.steps)
+  loop = TrainLoop(
+    lambda s, b: trainer.train_step(s, trainer.global_batch(b)), data_iter, state, start, train_cfg.steps
+  )
   run_hooks = [
-      progress,
-      RecordBatchesHook(workdir) if train_cfg.record_batches and is_main else None,
-      MetricsHook(writer),
-      evaluator if train_cfg.eval_every else None,
-      CheckpointHook(checkpointer, data_iter.get_state, train_cfg.save_every),
-      PreemptionHook(echo if is_main else None),
-      ProfileHook(checkpoint_lib.local_dir(workdir, "profile"), *train_cfg.profile_steps)
-      if train_cfg.profile_steps else None,
-      *hooks,
+    progress,
+    RecordBatchesHook(workdir) if train_cfg.record_batches and is_main else None,
+    MetricsHook(writer),
+    evaluator if train_cfg.eval_every else None,
+    CheckpointHook(checkpointer, data_iter.get_state, train_cfg.save_every),
+    PreemptionHook(echo if is_main else None),
+    ProfileHook(checkpoint_lib.local_dir(workdir, "profile"), *train_cfg.profile_steps)
+    if train_cfg.profile_steps
+    else None,
+    *hooks,
   ]
   for hook in run_hooks:
     if hook is not None:
@@ -261,10 +315,15 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
   from ml_collections import config_flags
 
   config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
-  workdir_flag = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, data); default "
-                                     "runs/<config name>")
-  coordinator_flag = flags.DEFINE_string("coordinator_address", None, "multi-process runs (e.g. several GPU hosts): "
-                                         "HOST:PORT of process 0; not needed on Cloud TPU slices, SLURM or Open MPI")
+  workdir_flag = flags.DEFINE_string(
+    "workdir", None, "run directory (checkpoints, metrics, data); default runs/<config name>"
+  )
+  coordinator_flag = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "multi-process runs (e.g. several GPU hosts): "
+    "HOST:PORT of process 0; not needed on Cloud TPU slices, SLURM or Open MPI",
+  )
   num_processes_flag = flags.DEFINE_integer("num_processes", None, "multi-process runs: the number of processes")
   process_id_flag = flags.DEFINE_integer("process_id", None, "multi-process runs: this process's index, from 0")
   flags.mark_flags_as_required(["config"])
@@ -276,12 +335,15 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
     run_config = config_lib.run_config_from_flag_or_exit(config_flag)
     config_path = flags.FLAGS["config"].config_filename
     workdir = workdir_flag.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
-    run_or_exit(distributed.maybe_initialize_distributed, coordinator_flag.value, num_processes_flag.value,
-                process_id_flag.value)
+    run_or_exit(
+      distributed.maybe_initialize_distributed, coordinator_flag.value, num_processes_flag.value, process_id_flag.value
+    )
     result = run_or_exit(train, run_config, workdir, hooks)
     if jax.process_index() == 0 and result["val"]:
-      print(f"done: step {result['step']}, validation loss {result['val']['loss']:.4f}, "
-            f"bits/byte {result['val']['bits_per_byte']:.4f} (workdir {workdir})")
+      print(
+        f"done: step {result['step']}, validation loss {result['val']['loss']:.4f}, "
+        f"bits/byte {result['val']['bits_per_byte']:.4f} (workdir {workdir})"
+      )
 
   app.run(run, argv, flags_parser=config_lib.parse_flags_or_exit)
 

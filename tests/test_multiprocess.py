@@ -22,9 +22,21 @@ def free_port() -> int:
 
 
 def train_command(workdir, tokenizer, steps, *extra):
-  return [sys.executable, "-m", "llama_jax.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
-          f"--config.data.tokenizer={tokenizer}", *MICRO, *STEPS, f"--config.train.steps={steps}",
-          "--config.train.batch_size=8", *extra]
+  return [
+    sys.executable,
+    "-m",
+    "llama_jax.train",
+    "--config",
+    "configs/tiny.py",
+    "--workdir",
+    str(workdir),
+    f"--config.data.tokenizer={tokenizer}",
+    *MICRO,
+    *STEPS,
+    f"--config.train.steps={steps}",
+    "--config.train.batch_size=8",
+    *extra,
+  ]
 
 
 def env_with_devices(n: int) -> dict:
@@ -33,19 +45,33 @@ def env_with_devices(n: int) -> dict:
 
 
 def run_one_process(workdir, tokenizer, steps):
-  result = subprocess.run(train_command(workdir, tokenizer, steps), cwd=ROOT, env=env_with_devices(8),
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    train_command(workdir, tokenizer, steps),
+    cwd=ROOT,
+    env=env_with_devices(8),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return result
 
 
 def run_two_processes(workdir, tokenizer, steps):
   address = f"localhost:{free_port()}"
-  procs = [subprocess.Popen(train_command(workdir, tokenizer, steps, f"--coordinator_address={address}",
-                                          "--num_processes=2", f"--process_id={i}"),
-                            cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      train_command(
+        workdir, tokenizer, steps, f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}"
+      ),
+      cwd=ROOT,
+      env=env_with_devices(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outputs = []
   for proc in procs:
     try:

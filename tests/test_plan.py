@@ -8,8 +8,13 @@ from tests.conftest import ROOT
 
 
 def run_plan(*args):
-  return subprocess.run([sys.executable, "-m", "llama_jax.plan", "--config", "configs/tiny.py", *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+    [sys.executable, "-m", "llama_jax.plan", "--config", "configs/tiny.py", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 def test_plan_of_the_tiny_config_on_8_devices(tmp_path):
@@ -17,8 +22,14 @@ def test_plan_of_the_tiny_config_on_8_devices(tmp_path):
   result = run_plan("--devices", "8", "--config.mesh.fsdp=8", "--hbm_gib", "0.03", "--json", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mesh      data 1 × fsdp 8 × tensor 1 = 8 devices" in result.stdout
-  for line in ("TPU v4             32 GiB: fits", "TPU v5e", "TPU v5p", "H100", "H200",
-               "--hbm_gib 0.03   0.03 GiB: does not fit"):
+  for line in (
+    "TPU v4             32 GiB: fits",
+    "TPU v5e",
+    "TPU v5p",
+    "H100",
+    "H200",
+    "--hbm_gib 0.03   0.03 GiB: does not fit",
+  ):
     assert line in result.stdout, result.stdout
   plan = json.loads(out.read_text())
   params, norms = 1_328_256, (2 * 4 + 1) * 128  # tiny: norm scales are replicated, the rest split 8 ways
@@ -30,6 +41,7 @@ def test_plan_errors_name_the_values():
   result = run_plan("--devices", "6", "--config.mesh.fsdp=8")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: mesh data×fsdp×tensor = 1×8×1 = 8 devices, but 6 devices are available")
+    "error: mesh data×fsdp×tensor = 1×8×1 = 8 devices, but 6 devices are available"
+  )
   result = run_plan("--devices", "0")
   assert result.returncode == 2 and "--devices must be a positive integer, got 0" in result.stderr

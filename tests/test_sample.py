@@ -19,8 +19,8 @@ from tests import hf_utils
 from tests.conftest import ROOT
 
 CONFIGS = {
-    "mha": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32, max_seq_len=256),
-    "gqa": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=256),
+  "mha": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32, max_seq_len=256),
+  "gqa": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=256),
 }
 
 
@@ -37,8 +37,10 @@ def test_cached_decoding_logits_equal_one_full_forward(name, layout):
   stacked = Llama(cfg, rngs=nnx.Rngs(1))
   model = stacked
   if layout != "stacked":
-    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False))),
-                      unstack_layers(nnx.to_pure_dict(nnx.state(stacked))))
+    model = nnx.merge(
+      nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False))),
+      unstack_layers(nnx.to_pure_dict(nnx.state(stacked))),
+    )
   tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 40)))
   full = np.asarray(jax.jit(lambda t: stacked(t))(tokens))
   if layout != "stacked":
@@ -48,7 +50,7 @@ def test_cached_decoding_logits_equal_one_full_forward(name, layout):
   logits, cache = step(tokens[:, :9], None, cache)  # a prompt of 9, then one token at a time
   got = [np.asarray(logits)]
   for t in range(9, 40):
-    logits, cache = step(tokens[:, t:t + 1], jnp.full((2, 1), t, jnp.int32), cache)
+    logits, cache = step(tokens[:, t : t + 1], jnp.full((2, 1), t, jnp.int32), cache)
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=1e-5, rtol=0)
 
@@ -69,8 +71,9 @@ def test_greedy_generation_of_a_converted_hf_model_equals_transformers_generate(
   prompt = np.random.RandomState(1).randint(3, cfg.vocab_size, 12)
   hf_model.generation_config.eos_token_id = None  # random weights: compare all 64 tokens, no early stop
   with torch.no_grad():
-    expected = hf_model.generate(torch.tensor(prompt[None]), do_sample=False, max_new_tokens=64, min_new_tokens=64,
-                                 pad_token_id=0)[0, len(prompt):].numpy()
+    expected = hf_model.generate(
+      torch.tensor(prompt[None]), do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0
+    )[0, len(prompt) :].numpy()
   ours = Sampler(loaded_cfg, params, eos_id=-1).generate([prompt.tolist()], 64)[0]
   assert ours == expected.tolist()
 
@@ -116,11 +119,11 @@ def test_rows_stop_at_eos_and_extra_stop_ids_and_then_stay_put():
   assert eos not in free[0][:3]
   stopped = Sampler(cfg, params, eos_id=eos).generate(prompts, 16)
   assert stopped[0] == free[0][:3]
-  expected_row1 = free[1][:free[1].index(eos)] if eos in free[1] else free[1]
+  expected_row1 = free[1][: free[1].index(eos)] if eos in free[1] else free[1]
   assert stopped[1] == expected_row1
   extra = free[1][2]
   with_stop = Sampler(cfg, params, eos_id=-1).generate(prompts, 16, stop_ids=[extra])
-  assert with_stop[1] == free[1][:free[1].index(extra)]
+  assert with_stop[1] == free[1][: free[1].index(extra)]
 
 
 def test_bad_requests_are_refused_with_the_allowed_range():
@@ -134,8 +137,9 @@ def test_bad_requests_are_refused_with_the_allowed_range():
     SamplingConfig(top_k=-1)
   with pytest.raises(SampleError, match="prompt 1 is empty"):
     sampler.generate([[1, 2], []], 4)
-  with pytest.raises(SampleError, match="prompt length 250 \\+ max_new_tokens 10 = 260 exceeds the model's "
-                                        "max_seq_len 256"):
+  with pytest.raises(
+    SampleError, match="prompt length 250 \\+ max_new_tokens 10 = 260 exceeds the model's max_seq_len 256"
+  ):
     sampler.generate([[1] * 250], 10)
 
 
@@ -148,29 +152,53 @@ def checkpoint_dir(tmp_path_factory, small_tokenizer):
 
 
 def run_sample(*args):
-  return subprocess.run([sys.executable, "-m", "llama_jax.sample", *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", "llama_jax.sample", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
 
 
 def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir):
-  result = run_sample("--checkpoint", checkpoint_dir, "--prompt", "Shall I compare thee", "--prompt", "O",
-                      "--max_new_tokens", "12", "--temperature", "0")
+  result = run_sample(
+    "--checkpoint",
+    checkpoint_dir,
+    "--prompt",
+    "Shall I compare thee",
+    "--prompt",
+    "O",
+    "--max_new_tokens",
+    "12",
+    "--temperature",
+    "0",
+  )
   assert result.returncode == 0, result.stderr
   assert "Shall I compare thee" in result.stdout and "\nO" in result.stdout
   assert "<s>" not in result.stdout and "</s>" not in result.stdout and "<unk>" not in result.stdout
-  streamed = run_sample("--checkpoint", checkpoint_dir, "--prompt", "Shall I compare thee", "--max_new_tokens",
-                        "12", "--temperature", "0", "--stream", "yes")
+  streamed = run_sample(
+    "--checkpoint",
+    checkpoint_dir,
+    "--prompt",
+    "Shall I compare thee",
+    "--max_new_tokens",
+    "12",
+    "--temperature",
+    "0",
+    "--stream",
+    "yes",
+  )
   first = [line for line in result.stdout.splitlines() if line.startswith("Shall I compare thee")]
   assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == first[0], (streamed.stdout, result.stdout)
 
 
-@pytest.mark.parametrize("args,fragment", [
+@pytest.mark.parametrize(
+  "args,fragment",
+  [
     (["--prompt", ""], "prompt 0 is empty"),
     (["--prompt", "word " * 120, "--max_new_tokens", "100"], "exceeds the model's max_seq_len 128"),
     (["--prompt", "x", "--temperature", "-1"], "temperature must be ≥ 0"),
     (["--prompt", "x", "--top_p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--prompt", "x", "--top_k", "-2"], "top_k must be an integer ≥ 0"),
-])
+  ],
+)
 def test_cli_bad_input_is_one_line_exit_2(checkpoint_dir, args, fragment):
   result = run_sample("--checkpoint", checkpoint_dir, *args)
   lines = result.stderr.strip().splitlines()

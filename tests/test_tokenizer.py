@@ -17,21 +17,40 @@ from llama_jax.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER_FIXTURE = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
-needs_llama2 = pytest.mark.skipif(not os.path.isfile(TOKENIZER_FIXTURE),
-                                  reason=f"Meta's LLaMA 2 tokenizer fixture is absent ({TOKENIZER_FIXTURE})")
+needs_llama2 = pytest.mark.skipif(
+  not os.path.isfile(TOKENIZER_FIXTURE), reason=f"Meta's LLaMA 2 tokenizer fixture is absent ({TOKENIZER_FIXTURE})"
+)
 PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")
 EXTRA_TEXT = [
-    "我爱南巷的花猫",
-    "今天天气很好，我们去公园散步吧。",
-    "南巷的花猫在墙上睡觉，我每天都去看它。",
-    "学而时习之，不亦说乎？有朋自远方来，不亦乐乎？",
-    "The quick brown fox jumps over the lazy dog, 12345 times.",
-    "Plain English prose, with commas; semicolons: and numbers like 2024 and 3.14159.",
+  "我爱南巷的花猫",
+  "今天天气很好，我们去公园散步吧。",
+  "南巷的花猫在墙上睡觉，我每天都去看它。",
+  "学而时习之，不亦说乎？有朋自远方来，不亦乐乎？",
+  "The quick brown fox jumps over the lazy dog, 12345 times.",
+  "Plain English prose, with commas; semicolons: and numbers like 2024 and 3.14159.",
 ]
 ROUND_TRIP_CASES = [
-    "", "我爱南巷的花猫", "Hello world!", " leading", "trailing ", "  two leading", "multiple   inner    spaces",
-    " ", "   ", "\t", "tab\tseparated\tvalues", "\n", "line one\nline two\n\n", "\r\nwindows\r\n", "12345",
-    "3.14159 and 2,718", "emoji 😀🐈‍⬛ and ZWJ", "😀", "\x00nul\x7f", "\ufffd", "Ünïcödé ñ ß Ω ж 한국어 عربى",
+  "",
+  "我爱南巷的花猫",
+  "Hello world!",
+  " leading",
+  "trailing ",
+  "  two leading",
+  "multiple   inner    spaces",
+  " ",
+  "   ",
+  "\t",
+  "tab\tseparated\tvalues",
+  "\n",
+  "line one\nline two\n\n",
+  "\r\nwindows\r\n",
+  "12345",
+  "3.14159 and 2,718",
+  "emoji 😀🐈‍⬛ and ZWJ",
+  "😀",
+  "\x00nul\x7f",
+  "\ufffd",
+  "Ünïcödé ñ ß Ω ж 한국어 عربى",
 ]
 # U+2581 is sentencepiece's own stand-in for a space, so a literal one in the input decodes as " " (see
 # test_literal_space_symbol_decodes_as_space); surrogates cannot be encoded as UTF-8 at all.
@@ -74,8 +93,9 @@ def write_bytes(tmp_path, name: str, data: bytes) -> str:
 
 
 def run_cli(*args):
-  return subprocess.run([sys.executable, "-m", "llama_jax.tokenizer", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "-m", "llama_jax.tokenizer", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
 
 
 # Meta's LLaMA 2 model
@@ -199,8 +219,11 @@ def test_empty_input_file(tmp_path):
 
 def test_vocab_size_too_large_names_the_limit(tmp_path):
   tiny = write_bytes(tmp_path, "tiny.txt", b"the cat sat on the mat\n" * 5)
-  with pytest.raises(TokenizerError, match=r"vocab_size 50000 is larger than this corpus supports \(at most \d+\); "
-                                           r"lower --vocab_size"):
+  with pytest.raises(
+    TokenizerError,
+    match=r"vocab_size 50000 is larger than this corpus supports \(at most \d+\); "
+    r"lower --vocab_size",
+  ):
     train_tokenizer([tiny], 50000, str(tmp_path / "out"))
 
 
@@ -240,12 +263,15 @@ def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, caplog):
   assert "\ufffd\ufffd" in tokenizer.decode(tokenizer.encode("abc\ufffd\ufffd def"))
 
 
-@pytest.mark.parametrize("data, text, replaced", [
+@pytest.mark.parametrize(
+  "data, text, replaced",
+  [
     (b"abc", "abc", 0),
     (b"abc\xff\xfe def", "abc\ufffd\ufffd def", 2),
     (b"\xe2\x82", "\ufffd", 2),  # a truncated 3-byte sequence: one U+FFFD for two bytes
     ("\ufffd".encode(), "\ufffd", 0),  # a real U+FFFD in the text is not a replacement
-])
+  ],
+)
 def test_decode_utf8_counting_cases(data, text, replaced):
   assert tokenizer_lib.decode_utf8_counting(data) == (text, replaced)
 
@@ -302,10 +328,10 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, case):
   (out / "tokenizer.model").write_bytes(b"previous model")
   tiny = write_bytes(tmp_path, "tiny.txt", b"the cat sat on the mat\n" * 5)
   args, message = {
-      "missing": (["--input", str(tmp_path / "missing.txt"), "--vocab_size", "300"], "does not exist"),
-      "empty": (["--input", write_bytes(tmp_path, "empty.txt", b""), "--vocab_size", "300"], "no text to train on"),
-      "vocab_too_large": (["--input", tiny, "--vocab_size", "50000"], "vocab_size 50000 is larger"),
-      "exists": (["--input", tiny, "--vocab_size", "300"], "already exists"),
+    "missing": (["--input", str(tmp_path / "missing.txt"), "--vocab_size", "300"], "does not exist"),
+    "empty": (["--input", write_bytes(tmp_path, "empty.txt", b""), "--vocab_size", "300"], "no text to train on"),
+    "vocab_too_large": (["--input", tiny, "--vocab_size", "50000"], "vocab_size 50000 is larger"),
+    "exists": (["--input", tiny, "--vocab_size", "300"], "already exists"),
   }[case]
   overwrite = [] if case == "exists" else ["--overwrite"]
   result = run_cli(*args, "--out", str(out), *overwrite)

@@ -18,22 +18,43 @@ from tests.conftest import ROOT, needs_shakespeare
 pytestmark = needs_shakespeare
 
 MICRO = [
-    "--config.model.vocab_size=512", "--config.model.dim=32", "--config.model.n_layers=2",
-    "--config.model.n_heads=2", "--config.model.n_kv_heads=1", "--config.model.multiple_of=16",
-    "--config.data.sources=('shakespeare:sonnets,comedy_of_errors',)",
-    "--config.data.val_sources=('shakespeare:lovers_complaint',)",
-    "--config.train.seq_len=32", "--config.train.batch_size=4", "--config.train.steps=12",
-    "--config.train.warmup_steps=2", "--config.train.lr=1e-2", "--config.train.log_every=1",
-    "--config.train.eval_every=6", "--config.train.eval_batches=2", "--config.train.save_every=4",
-    "--config.train.record_batches=True",
+  "--config.model.vocab_size=512",
+  "--config.model.dim=32",
+  "--config.model.n_layers=2",
+  "--config.model.n_heads=2",
+  "--config.model.n_kv_heads=1",
+  "--config.model.multiple_of=16",
+  "--config.data.sources=('shakespeare:sonnets,comedy_of_errors',)",
+  "--config.data.val_sources=('shakespeare:lovers_complaint',)",
+  "--config.train.seq_len=32",
+  "--config.train.batch_size=4",
+  "--config.train.steps=12",
+  "--config.train.warmup_steps=2",
+  "--config.train.lr=1e-2",
+  "--config.train.log_every=1",
+  "--config.train.eval_every=6",
+  "--config.train.eval_batches=2",
+  "--config.train.save_every=4",
+  "--config.train.record_batches=True",
 ]
 
 
 def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):
-  args = [sys.executable, "-m", *module, "--config", "configs/tiny.py", "--workdir", str(workdir),
-          f"--config.data.tokenizer={tokenizer}", *MICRO, *extra]
-  result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, **(env or {})))
+  args = [
+    sys.executable,
+    "-m",
+    *module,
+    "--config",
+    "configs/tiny.py",
+    "--workdir",
+    str(workdir),
+    f"--config.data.tokenizer={tokenizer}",
+    *MICRO,
+    *extra,
+  ]
+  result = subprocess.run(
+    args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, **(env or {}))
+  )
   if check:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return result
@@ -47,8 +68,9 @@ def read_jsonl(path):
 def final_checkpoint(workdir, step):
   base = os.path.join(workdir, "checkpoints", str(step))
   restore = ocp.StandardCheckpointer().restore
-  return jax.tree.map(np.asarray, {"params": restore(os.path.join(base, "params")),
-                                   "train": restore(os.path.join(base, "train"))})
+  return jax.tree.map(
+    np.asarray, {"params": restore(os.path.join(base, "params")), "train": restore(os.path.join(base, "train"))}
+  )
 
 
 def assert_bit_identical(a, b):
@@ -102,8 +124,9 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(uninterrupted, t
   accum, straight = uninterrupted
   workdir = tmp_path / "killed"
   # Dies right after the step-8 save starts; the step-4 checkpoint is complete.
-  killed = run_train(workdir, small_tokenizer, f"--config.train.grad_accum={accum}", check=False,
-                     module=("tests.fault_injection", "8"))
+  killed = run_train(
+    workdir, small_tokenizer, f"--config.train.grad_accum={accum}", check=False, module=("tests.fault_injection", "8")
+  )
   assert killed.returncode == -signal.SIGKILL
   complete = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
   assert complete and complete[-1] in (4, 8)
@@ -116,9 +139,20 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(uninterrupted, t
 
 def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path, small_tokenizer):
   workdir = tmp_path / "preempted"
-  args = [sys.executable, "-m", "llama_jax.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
-          f"--config.data.tokenizer={small_tokenizer}", *MICRO, "--config.train.steps=100000",
-          "--config.train.save_every=100000", "--config.train.eval_every=0"]
+  args = [
+    sys.executable,
+    "-m",
+    "llama_jax.train",
+    "--config",
+    "configs/tiny.py",
+    "--workdir",
+    str(workdir),
+    f"--config.data.tokenizer={small_tokenizer}",
+    *MICRO,
+    "--config.train.steps=100000",
+    "--config.train.save_every=100000",
+    "--config.train.eval_every=0",
+  ]
   process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   for line in process.stdout:
     if line.startswith("step      3 "):
@@ -154,14 +188,33 @@ def test_incomplete_checkpoint_directory_is_ignored_on_resume(straight_runs, tmp
 
 def test_evaluate_cli_reads_everything_from_the_checkpoint_dir(uninterrupted):
   _, workdir = uninterrupted
-  result = subprocess.run([sys.executable, "-m", "llama_jax.evaluate", "--checkpoint", str(workdir),
-                           "--max_batches", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, "-m", "llama_jax.evaluate", "--checkpoint", str(workdir), "--max_batches", "2"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr
   val = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "val_loss" in r][-1]
   assert f"loss {val['val_loss']:.4f}" in result.stdout  # the same windows as the run's own validation
-  result = subprocess.run([sys.executable, "-m", "llama_jax.evaluate", "--checkpoint", str(workdir), "--data",
-                           "shakespeare:phoenix_and_the_turtle", "--seq_len", "16"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "llama_jax.evaluate",
+      "--checkpoint",
+      str(workdir),
+      "--data",
+      "shakespeare:phoenix_and_the_turtle",
+      "--seq_len",
+      "16",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0 and "bits/byte" in result.stdout, result.stderr
 
 
@@ -182,12 +235,15 @@ def test_incompatible_workdir_is_refused_and_left_untouched(straight_runs, small
   assert before == after
 
 
-@pytest.mark.parametrize("override,fragments", [
+@pytest.mark.parametrize(
+  "override,fragments",
+  [
     ("--config.data.sources=('/no/such/file.txt',)", ["'/no/such/file.txt' does not exist"]),
     ("--config.train.seq_len=100000 --config.model.max_seq_len=100000", ["corpus too small for one batch"]),
     ("--config.model.vocab_size=100", ["the tokenizer has 512 tokens but model.vocab_size is 100"]),
     ("--config.train.hidden=3", ["unknown config key 'hidden'"]),
-])
+  ],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, small_tokenizer, override, fragments):
   assert_one_line_error(run_train(tmp_path / "w", small_tokenizer, *override.split(), check=False), *fragments)
 
@@ -195,23 +251,45 @@ def test_bad_input_is_one_line_exit_2(tmp_path, small_tokenizer, override, fragm
 def test_empty_source_and_oversized_vocab(tmp_path):
   empty = tmp_path / "empty.txt"
   empty.write_text("\n\n")
-  args = [sys.executable, "-m", "llama_jax.train", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
-          *[a for a in MICRO if "sources=" not in a]]
-  result = subprocess.run(args + [f"--config.data.sources=('{empty}',)", "--config.data.val_sources=()"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+  args = [
+    sys.executable,
+    "-m",
+    "llama_jax.train",
+    "--config",
+    "configs/tiny.py",
+    "--workdir",
+    str(tmp_path / "w"),
+    *[a for a in MICRO if "sources=" not in a],
+  ]
+  result = subprocess.run(
+    args + [f"--config.data.sources=('{empty}',)", "--config.data.val_sources=()"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert_one_line_error(result, f"the training sources ['{empty}'] contain no text")
   small = tmp_path / "small.txt"
   small.write_text("a few words only, repeated. " * 20)
-  result = subprocess.run(args + [f"--config.data.sources=('{small}',)", "--config.data.val_sources=()",
-                                  "--config.data.vocab_size=5000"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+  result = subprocess.run(
+    args + [f"--config.data.sources=('{small}',)", "--config.data.val_sources=()", "--config.data.vocab_size=5000"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert_one_line_error(result, "vocab_size 5000 is larger than this corpus supports")
 
 
 def test_profile_steps_write_a_trace_for_tensorboard(tmp_path, small_tokenizer):
   workdir = tmp_path / "profiled"
-  run_train(workdir, small_tokenizer, "--config.train.steps=4", "--config.train.eval_every=0",
-            "--config.train.profile_steps=(2,2)")
+  run_train(
+    workdir,
+    small_tokenizer,
+    "--config.train.steps=4",
+    "--config.train.eval_every=0",
+    "--config.train.profile_steps=(2,2)",
+  )
   runs = list((workdir / "profile" / "plugins" / "profile").iterdir())
   assert len(runs) == 1  # one trace: steps 2 and 3
   names = [p.name for p in runs[0].iterdir()]
@@ -227,10 +305,10 @@ def test_train_step_carries_named_scopes_for_profiles():
   from llama_jax.train import Trainer
 
   run_config = config_lib.RunConfig().replace(
-      model=dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=32),
-      train=dict(batch_size=2, seq_len=32))
-  trainer = Trainer(run_config.model, run_config, sharding.make_mesh(dict(data=1, fsdp=1, tensor=1),
-                                                                     jax.devices()[:1]))
+    model=dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=32),
+    train=dict(batch_size=2, seq_len=32),
+  )
+  trainer = Trainer(run_config.model, run_config, sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1]))
   op_names = set(re.findall(r'loc\("([^"]*)"', trainer.lower().as_text(debug_info=True)))
   for scope in ("attention", "mlp", "norm", "loss"):
     # "attention/dot_general", "jit(train_step)/jvp(loss)/reduce_max": the scope, under any transformation.

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 (simula
 RULES = DEFAULT_LOGICAL_AXIS_RULES
 CFG = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=8, n_kv_heads=4, multiple_of=32, max_seq_len=64)
 MESHES = {
-    "data8": dict(data=8, fsdp=1, tensor=1),
-    "fsdp8": dict(data=1, fsdp=8, tensor=1),
-    "fsdp2_tensor4": dict(data=1, fsdp=2, tensor=4),
-    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+  "data8": dict(data=8, fsdp=1, tensor=1),
+  "fsdp8": dict(data=1, fsdp=8, tensor=1),
+  "fsdp2_tensor4": dict(data=1, fsdp=2, tensor=4),
+  "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
 }
 
 
@@ -33,8 +33,7 @@ def logits_and_grads(model, mesh, tokens):
   graphdef, params = nnx.split(model)
   with sharding.activate(mesh, RULES):
     tokens = sharding.shard_batch(tokens, mesh, RULES)
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=1)(
-        params, graphdef, tokens)
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=1)(params, graphdef, tokens)
   return logits, grads
 
 
@@ -53,12 +52,16 @@ def test_sharded_logits_and_grads_equal_one_device(reference, mesh_name):
   mesh = sharding.make_mesh(MESHES[mesh_name])
   model = sharding.init_model(Llama, CFG, mesh, RULES, seed=3)
   # Sharded initialisation draws the same numbers as one device.
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               nnx.to_pure_dict(nnx.state(model_1)), nnx.to_pure_dict(nnx.state(model)))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+    nnx.to_pure_dict(nnx.state(model_1)),
+    nnx.to_pure_dict(nnx.state(model)),
+  )
   logits, grads = logits_and_grads(model, mesh, tokens)
   np.testing.assert_allclose(np.asarray(logits), logits_1, atol=1e-5, rtol=0)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), a, atol=1e-5, rtol=1e-5),
-               grads_1, nnx.to_pure_dict(grads))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(b), a, atol=1e-5, rtol=1e-5), grads_1, nnx.to_pure_dict(grads)
+  )
   # The activation constraints were applied: logits are split over the batch as the rules say.
   batch_shards = MESHES[mesh_name]["data"] * MESHES[mesh_name]["fsdp"]
   assert logits.addressable_shards[0].data.shape[0] == 8 // batch_shards
@@ -78,8 +81,11 @@ def test_fsdp8_shards_every_large_parameter_eight_ways():
 
 def test_tensor_axis_not_dividing_kv_heads_is_rejected_before_init():
   mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=8))
-  with pytest.raises(sharding.ShardingError, match=r"layers/attention/wk .* axis 2 \('kv_heads'\) of size 4 is not "
-                                                   r"divisible by mesh axes tensor = 8"):
+  with pytest.raises(
+    sharding.ShardingError,
+    match=r"layers/attention/wk .* axis 2 \('kv_heads'\) of size 4 is not "
+    r"divisible by mesh axes tensor = 8",
+  ):
     sharding.init_model(Llama, CFG, mesh, RULES)
 
 

@@ -13,27 +13,30 @@ from llama_jax.train import Trainer
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 (simulated) devices")
 MESHES = {
-    "data8": dict(data=8, fsdp=1, tensor=1),
-    "fsdp8": dict(data=1, fsdp=8, tensor=1),
-    "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2),
-    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
-    "data2_tensor4": dict(data=2, fsdp=1, tensor=4),
+  "data8": dict(data=8, fsdp=1, tensor=1),
+  "fsdp8": dict(data=1, fsdp=8, tensor=1),
+  "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2),
+  "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+  "data2_tensor4": dict(data=2, fsdp=1, tensor=4),
 }
 STEPS = 5
 
 
 def run_config(mesh: dict, **train):
   cfg = config_lib.base_run_config()
-  cfg.model.update(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32, max_seq_len=64,
-                   scan_layers=True)
+  cfg.model.update(
+    vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32, max_seq_len=64, scan_layers=True
+  )
   cfg.mesh.update(**mesh)
   cfg.train.update(batch_size=8, seq_len=32, steps=STEPS * 2, warmup_steps=2, lr=1e-3, **train)
   cfg.seed = 7
   return cfg
 
 
-BATCHES = [dict(inputs=t[:, :-1], targets=t[:, 1:])
-           for t in np.random.RandomState(0).randint(0, 256, (STEPS * 2, 8, 33)).astype(np.int32)]
+BATCHES = [
+  dict(inputs=t[:, :-1], targets=t[:, 1:])
+  for t in np.random.RandomState(0).randint(0, 256, (STEPS * 2, 8, 33)).astype(np.int32)
+]
 
 
 def make_trainer(mesh_cfg, devices=None):
@@ -62,8 +65,9 @@ def test_five_steps_under_each_mesh_match_one_device(one_device, mesh_name):
   trainer = make_trainer(MESHES[mesh_name])
   state, losses = run_steps(trainer, trainer.init_state(), BATCHES[:STEPS])
   np.testing.assert_allclose(losses, losses_1, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), a, atol=1e-5, rtol=1e-5), params_1,
-               state["params"])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(b), a, atol=1e-5, rtol=1e-5), params_1, state["params"]
+  )
 
 
 def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state_per_device():
@@ -111,13 +115,19 @@ def test_checkpoint_saved_under_fsdp8_continues_identically_under_another_mesh(s
 def test_bad_meshes_fail_before_compilation_naming_the_numbers():
   with pytest.raises(sharding.ShardingError, match=r"2×2×4 = 16 devices, but 8 devices are available"):
     make_trainer(dict(data=2, fsdp=2, tensor=4))
-  with pytest.raises(sharding.ShardingError, match=r"axis 2 \('kv_heads'\) of size 4 is not divisible by mesh axes "
-                                                   r"tensor = 8"):
+  with pytest.raises(
+    sharding.ShardingError,
+    match=r"axis 2 \('kv_heads'\) of size 4 is not divisible by mesh axes "
+    r"tensor = 8",
+  ):
     make_trainer(dict(data=1, fsdp=1, tensor=8))
   cfg = run_config(dict(data=4, fsdp=2, tensor=1))
   cfg.train.batch_size = 12
-  with pytest.raises(sharding.ShardingError, match=r"batch of 12 sequences .* not divisible by the 8 batch shards "
-                                                   r"\(mesh data=4×fsdp=2\)"):
+  with pytest.raises(
+    sharding.ShardingError,
+    match=r"batch of 12 sequences .* not divisible by the 8 batch shards "
+    r"\(mesh data=4×fsdp=2\)",
+  ):
     Trainer(config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh))
   with pytest.raises(sharding.ShardingError, match="mesh.dcn_data is 2 but the devices form 1 processes"):
     sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1, dcn_data=2))
