@@ -153,7 +153,7 @@ class ModelConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ConfigError(
-        f"unknown model config keys {unknown}{_did_you_mean('model', unknown[0], known)}; known keys: {sorted(known)}"
+        f"unknown model config keys {unknown}{did_you_mean('model', unknown[0], known)}; known keys: {sorted(known)}"
       )
     return cls(**values)
 
@@ -177,7 +177,7 @@ def model_config_from(run_config: Any) -> ModelConfig:
 # The run config: one frozen dataclass per section, checked when built
 
 
-def _did_you_mean(section: str, key: str, known) -> str:
+def did_you_mean(section: str, key: str, known) -> str:
   close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
   prefix = f"{section}." if section else ""
   return f" (did you mean {prefix}{close[0]}?)" if close else ""
@@ -251,7 +251,7 @@ class _Section:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in sorted(values):
       if key not in known:
-        raise ConfigError(f"unknown run config key {cls.SECTION}.{key}{_did_you_mean(cls.SECTION, key, known)}")
+        raise ConfigError(f"unknown run config key {cls.SECTION}.{key}{did_you_mean(cls.SECTION, key, known)}")
     return cls(**values)
 
 
@@ -452,7 +452,7 @@ class RunConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in sorted(values):
       if key not in known:
-        raise ConfigError(f"unknown run config key {key}{_did_you_mean('', key, known)}")
+        raise ConfigError(f"unknown run config key {key}{did_you_mean('', key, known)}")
     for name, section in cls.SECTIONS.items():
       if name in values:
         if not isinstance(values[name], Mapping):
@@ -513,81 +513,24 @@ def load_run_config(path: str):
   return module.get_config()
 
 
-def _override_hint(override: str) -> str:
-  """' (did you mean train.steps?)' for an override of an unknown key such as --config.train.stpes=5."""
-  path = override[len("--config.") :].split("=", 1)[0].split(".")
-  if len(path) == 2 and path[0] in RunConfig.SECTIONS:
-    return _did_you_mean(path[0], path[1], [f.name for f in dataclasses.fields(RunConfig.SECTIONS[path[0]])])
-  return _did_you_mean("", path[0], [f.name for f in dataclasses.fields(RunConfig)])
-
-
-def _flag_value(argv: list[str], name: str) -> str:
-  for i, arg in enumerate(argv):
-    if arg == f"--{name}" and i + 1 < len(argv):
-      return argv[i + 1]
-    if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-  return "?"
-
-
-def parse_flags_or_exit(argv: list[str]) -> list[str]:
-  """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
-  one-line error and exit status 2, instead of a traceback."""
-  from absl import flags
-
-  from llama_jax.errors import exit_with_error
-
-  try:
-    return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    cause = e
-    while cause.__context__ is not None and isinstance(e, AttributeError):
-      cause = cause.__context__  # ml_collections wraps the KeyError that holds the "did you mean" hint
-    overrides = [a for a in argv[1:] if a.startswith("--config.")]
-    if isinstance(cause, KeyError):
-      # ml_collections' key error may carry its own multi-line "Did you mean"; keep the key, add ours.
-      key = str(cause.args[0] if cause.args else cause).split("\n")[0].strip("'\" ")
-      hints = "".join(_override_hint(o) for o in overrides if f".{key}" in o.split("=")[0])
-      what = f"unknown config key {key!r}{hints}"
-    elif "Traceback (most recent call last)" in str(cause):
-      # The config file itself raised (config_flags wraps the traceback): its last line says what went wrong.
-      exit_with_error(f"config file {_flag_value(argv, 'config')}: {str(cause).strip().splitlines()[-1]}")
-    else:
-      what = " ".join(str(cause).split())
-    exit_with_error(f"bad flag or config override {overrides or argv[1:]}: {what}")
-
-
-def run_config_from_flag_or_exit(config_flag) -> RunConfig:
-  """The checked RunConfig of a ``DEFINE_config_file`` flag; a missing file or a bad value exits with status 2 and
-  one line that names it (and the config file)."""
-  from absl import flags
-
-  from llama_jax.errors import exit_with_error
-
-  try:
-    return run_config_from(config_flag.value)
-  except OSError as e:
-    exit_with_error(f"cannot load config file {str(e).split()[-1]}")
-  except ConfigError as e:
-    exit_with_error(f"{flags.FLAGS['config'].config_filename}: {e}")
-
-
 def main(argv=None) -> None:
   """``python -m llama_jax.config --config configs/X.py [--config.a.b=v]``: print the resolved run config."""
   from absl import app, flags
   from ml_collections import config_flags
 
+  from llama_jax import cli  # the command line sits on top of this module
+
   config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
   flags.mark_flags_as_required(["config"])
 
   def show(_):
-    run_config = run_config_from_flag_or_exit(config_flag)
+    run_config = cli.run_config_from_flag_or_exit(config_flag)
     print(config_flag.value)
     model = run_config.model
     print(f"model ({model.num_params():,} parameters, MLP width {model.hidden_dim}):")
     print(model.to_json())
 
-  app.run(show, argv, flags_parser=parse_flags_or_exit)
+  app.run(show, argv, flags_parser=cli.parse_flags_or_exit)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from llama_jax import checkpoint
+from llama_jax.cli import ArgumentParser
 from llama_jax.config import ConfigError, ModelConfig
-from llama_jax.errors import ArgumentParser, LlamaJaxError, run_or_exit
+from llama_jax.errors import LlamaJaxError, run_or_exit
 from llama_jax.tokenizer import TOKENIZER_FILE
 
 INDEX_FILE = "model.safetensors.index.json"

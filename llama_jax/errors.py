@@ -3,18 +3,11 @@ that turns them into one line on stderr and exit status 2.
 
 Every module's user-facing error (``ConfigError``, ``DataError``, ``CheckpointError`` ...) derives from
 ``LlamaJaxError`` and from ``ValueError`` (what such an error is in Python terms). A CLI's ``main`` runs its work
-through ``run_or_exit``; anything else (a bug) keeps its traceback.
-
-Argument parsing: commands that take a run config file (``train``, ``plan``, ``config``) use absl flags with
-ml_collections' ``config_flags``, the only parser that gives ``--config.train.lr=1e-3`` overrides of a Python config
-file; the others (``sample``, ``evaluate``, ``convert``, ``tokenizer``) use ``argparse`` through ``ArgumentParser``
-below, which keeps no global flag registry, so tests call their ``main(argv)`` in-process. Both report a bad flag as
-one line and exit status 2.
+through ``run_or_exit``; anything else (a bug) keeps its traceback. Flag parsing is in ``cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -38,11 +31,3 @@ def run_or_exit(fn: Callable[..., T], *args, **kwargs) -> T:
     return fn(*args, **kwargs)
   except LlamaJaxError as e:
     exit_with_error(str(e))
-
-
-class ArgumentParser(argparse.ArgumentParser):
-  """argparse with the project's error style: a bad flag is one line on stderr and exit status 2 (argparse's own
-  error prints the whole usage first)."""
-
-  def error(self, message: str) -> NoReturn:
-    exit_with_error(f"{message} (see {self.prog} --help)")

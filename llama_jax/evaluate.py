@@ -21,8 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from llama_jax import checkpoint as checkpoint_lib
 from llama_jax import data as data_lib
 from llama_jax import sharding
+from llama_jax.cli import ArgumentParser
 from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES
-from llama_jax.errors import ArgumentParser, exit_with_error, run_or_exit
+from llama_jax.errors import exit_with_error, run_or_exit
 from llama_jax.loss import eval_step, summarize_eval
 from llama_jax.model import Llama
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer

@@ -22,7 +22,8 @@ import jax
 
 from llama_jax import attention as attention_lib
 from llama_jax import sharding
-from llama_jax.config import RunConfig, parse_flags_or_exit, run_config_from, run_config_from_flag_or_exit
+from llama_jax.cli import parse_flags_or_exit, run_config_from_flag_or_exit
+from llama_jax.config import RunConfig, run_config_from
 from llama_jax.errors import exit_with_error, run_or_exit
 from llama_jax.flops import flops_per_token
 from llama_jax.train import Trainer

@@ -25,8 +25,9 @@ import numpy as np
 from flax import nnx
 
 from llama_jax import checkpoint
+from llama_jax.cli import ArgumentParser
 from llama_jax.config import ModelConfig
-from llama_jax.errors import ArgumentParser, LlamaJaxError, run_or_exit
+from llama_jax.errors import LlamaJaxError, run_or_exit
 from llama_jax.model import KVCache, Llama, unstack_layers
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 

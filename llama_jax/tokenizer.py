@@ -23,7 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from llama_jax.errors import ArgumentParser, LlamaJaxError, run_or_exit
+from llama_jax.cli import ArgumentParser
+from llama_jax.errors import LlamaJaxError, run_or_exit
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llama_jax import checkpoint as checkpoint_lib
+from llama_jax import cli, distributed, sharding
 from llama_jax import config as config_lib
 from llama_jax import data as data_lib
-from llama_jax import distributed, sharding
 from llama_jax.chat_data import SFT_KEYS
 from llama_jax.config import ModelConfig, RunConfig
 from llama_jax.errors import run_or_exit
@@ -332,7 +332,7 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("absl", "orbax", "jax"):
       logging.getLogger(noisy).setLevel(logging.WARNING)
-    run_config = config_lib.run_config_from_flag_or_exit(config_flag)
+    run_config = cli.run_config_from_flag_or_exit(config_flag)
     config_path = flags.FLAGS["config"].config_filename
     workdir = workdir_flag.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
     run_or_exit(
@@ -345,7 +345,7 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
         f"bits/byte {result['val']['bits_per_byte']:.4f} (workdir {workdir})"
       )
 
-  app.run(run, argv, flags_parser=config_lib.parse_flags_or_exit)
+  app.run(run, argv, flags_parser=cli.parse_flags_or_exit)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""What every ``python -m llama_jax.X`` shares on the command line: flag parsing that fails as one line and exit
+status 2, and the checked run config of a ``--config`` file.
+
+Two parsers, one rule. Commands that take a run config file (``train``, ``plan``, ``config``) use absl flags with
+ml_collections' ``config_flags``: the only parser that applies ``--config.train.lr=1e-3`` overrides to a Python config
+file. The others (``sample``, ``evaluate``, ``convert``, ``tokenizer``) use ``argparse`` through ``ArgumentParser``
+below: no global flag registry, so tests call their ``main(argv)`` in-process. Both report a bad flag as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import NoReturn
+
+from llama_jax.config import ConfigError, RunConfig, did_you_mean, run_config_from
+from llama_jax.errors import exit_with_error
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse with the project's error style: a bad flag is one line on stderr and exit status 2 (argparse's own
+  error prints the whole usage first)."""
+
+  def error(self, message: str) -> NoReturn:
+    exit_with_error(f"{message} (see {self.prog} --help)")
+
+
+def _override_hint(override: str) -> str:
+  """' (did you mean train.steps?)' for an override of an unknown key such as --config.train.stpes=5."""
+  path = override[len("--config.") :].split("=", 1)[0].split(".")
+  if len(path) == 2 and path[0] in RunConfig.SECTIONS:
+    return did_you_mean(path[0], path[1], [f.name for f in dataclasses.fields(RunConfig.SECTIONS[path[0]])])
+  return did_you_mean("", path[0], [f.name for f in dataclasses.fields(RunConfig)])
+
+
+def _flag_value(argv: list[str], name: str) -> str:
+  for i, arg in enumerate(argv):
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+  return "?"
+
+
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+  """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
+  one-line error and exit status 2, instead of a traceback."""
+  from absl import flags
+
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    cause = e
+    while cause.__context__ is not None and isinstance(e, AttributeError):
+      cause = cause.__context__  # ml_collections wraps the KeyError that holds the "did you mean" hint
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    if isinstance(cause, KeyError):
+      # ml_collections' key error may carry its own multi-line "Did you mean"; keep the key, add ours.
+      key = str(cause.args[0] if cause.args else cause).split("\n")[0].strip("'\" ")
+      hints = "".join(_override_hint(o) for o in overrides if f".{key}" in o.split("=")[0])
+      what = f"unknown config key {key!r}{hints}"
+    elif "Traceback (most recent call last)" in str(cause):
+      # The config file itself raised (config_flags wraps the traceback): its last line says what went wrong.
+      exit_with_error(f"config file {_flag_value(argv, 'config')}: {str(cause).strip().splitlines()[-1]}")
+    else:
+      what = " ".join(str(cause).split())
+    exit_with_error(f"bad flag or config override {overrides or argv[1:]}: {what}")
+
+
+def run_config_from_flag_or_exit(config_flag) -> RunConfig:
+  """The checked RunConfig of a ``DEFINE_config_file`` flag; a missing file or a bad value exits with status 2 and
+  one line that names it (and the config file)."""
+  from absl import flags
+
+  try:
+    return run_config_from(config_flag.value)
+  except OSError as e:
+    exit_with_error(f"cannot load config file {str(e).split()[-1]}")
+  except ConfigError as e:
+    exit_with_error(f"{flags.FLAGS['config'].config_filename}: {e}")
