@@ -90,7 +90,7 @@ def attention(
   """
   impl = choose_implementation(
     implementation,
-    jax.default_backend(),
+    sharding.target_platform(),
     q_len=q_BTNH.shape[1],
     kv_len=k_BSKH.shape[1],
     head_dim=q_BTNH.shape[-1],

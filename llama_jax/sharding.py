@@ -118,6 +118,14 @@ def activate(mesh: Mesh, rules: Rules):
     yield
 
 
+def target_platform() -> str:
+  """The platform the program being traced will run on: that of the active mesh's devices, else the default
+  backend. Kernels are chosen by it, so a TPU program compiled on a CPU host (``plan --topology``: abstract TPU
+  devices) gets the TPU kernels."""
+  device = jax.sharding.get_abstract_mesh().abstract_device  # also inside jit, where the concrete mesh is not
+  return device.platform if device is not None else jax.default_backend()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """with_sharding_constraint through logical names when a mesh and rules are active (see `activate`)."""
   rules = flax_spmd.get_logical_axis_rules()

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -45,3 +47,40 @@ def test_plan_errors_name_the_values():
   )
   result = run_plan("--devices", "0")
   assert result.returncode == 2 and "--devices must be a positive integer, got 0" in result.stderr
+
+
+def test_plan_reports_the_collectives_of_the_compiled_step(tmp_path):
+  out = tmp_path / "plan.json"
+  result = run_plan("--devices", "4", "--config.mesh.fsdp=4", "--json", str(out))
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = json.loads(out.read_text())
+  assert plan["compiler"] == "XLA:CPU estimate" and plan["device_kind"] == "cpu"
+  # FSDP: the step gathers parameters; 4 unrolled layers (tiny.py) × 7 matrices at least once.
+  assert plan["collectives"]["all-gather"]["count"] >= 4 * 7, plan["collectives"]
+  assert "collectives per step and device" in result.stdout and "all-gather" in result.stdout
+
+
+def test_topology_errors_are_one_line():
+  result = run_plan("--devices", "4", "--topology", "v4-8")
+  assert result.returncode == 2
+  assert (
+    result.stderr.strip() == "error: pass exactly one of --devices N (simulated CPU devices) and --topology NAME "
+    "(TPU compiler)"
+  )
+  result = run_plan("--topology", "v9-1")
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert "v9-1" in result.stderr and "v4-32" in result.stderr  # names the value and the known slices
+  result = run_plan("--topology", "v4-8", "--slices", "2")
+  assert result.returncode == 2
+  assert "--slices 2 needs --config.mesh.dcn_data=2" in result.stderr.strip().splitlines()[-1]
+
+
+def test_topology_without_libtpu_says_how_to_install_it(monkeypatch):
+  import importlib.util
+
+  from llama_jax import plan as plan_lib
+
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else find_spec(name, *a))
+  with pytest.raises(plan_lib.PlanError, match=r'needs the TPU compiler \(libtpu\).*pip install -e "\.\[tpu-aot\]"'):
+    plan_lib.tpu_devices("v4-8")
