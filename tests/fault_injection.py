@@ -1,25 +1,76 @@
-"""``python -m tests.fault_injection STEP <train flags>``: ``python -m llama_jax.train`` with one more hook, which
-SIGKILLs the process right after step STEP's checkpoint save has started (the async write still in flight): what a
-crash mid-save leaves behind. Test-only; the production loop knows nothing of it."""
+"""``python -m tests.fault_injection MODE STEP <train flags>``: ``python -m llama_jax.train`` with one more hook, run
+after the run's own hooks once step STEP is done. MODE is one of
+
+  sigkill  SIGKILL the process while step STEP's checkpoint save is in flight: everything of it is written but orbax's
+           final commit (the atomic rename of ``checkpoints/STEP.orbax-checkpoint-tmp-*`` to ``checkpoints/STEP``),
+           which is held back until the kill. What a crash mid-save leaves behind, deterministically.
+  sigterm  send SIGTERM to the process itself, as a preempting scheduler would.
+
+Test-only; the production loop knows nothing of it.
+"""
 
 import os
 import signal
 import sys
+import threading
+
+from orbax.checkpoint._src.path import atomicity
 
 from llama_jax import train
 from llama_jax.loop import Hook
 
+COMMIT_TIMEOUT_S = 300
+
+
+def hold_back_commit(step: int) -> threading.Event:
+  """Makes orbax never commit checkpoint step `step`; the event is set when the commit is reached, i.e. once every
+  item of the step is written into its temporary directory."""
+  reached = threading.Event()
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def held_finalize(self):
+    final = self.get_final()
+    if final.name != str(step) or final.parent.name != "checkpoints":  # other steps, and items inside a step
+      return await finalize(self)
+    reached.set()
+    if threading.current_thread() is threading.main_thread():  # a synchronous save: nothing else to wait for
+      os.kill(os.getpid(), signal.SIGKILL)
+    threading.Event().wait()  # the background save thread waits here until the kill
+
+  atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
+  return reached
+
 
 class KillAfterSave(Hook):
-  """Runs after the run's own hooks, so after the checkpoint hook has started the save of `step`."""
+  """SIGKILL once the save of `step` (started by the checkpoint hook, which runs before this one) reaches its commit."""
+
+  def __init__(self, step: int):
+    self.step = step
+    self.commit_reached = hold_back_commit(step)
+
+  def after_step(self, info) -> None:
+    if info.step != self.step:
+      return
+    if not self.commit_reached.wait(COMMIT_TIMEOUT_S):
+      # Not a SIGKILL, so the test says what went wrong instead of finding a complete step.
+      print(f"fault_injection: the step-{self.step} save never reached its commit", file=sys.stderr, flush=True)
+      os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TerminateAfterStep(Hook):
+  """SIGTERM to this process after `step`: the run's preemption hook should stop the loop right there."""
 
   def __init__(self, step: int):
     self.step = step
 
   def after_step(self, info) -> None:
     if info.step == self.step:
-      os.kill(os.getpid(), signal.SIGKILL)
+      os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler in this thread before the next step starts
 
+
+HOOKS = {"sigkill": KillAfterSave, "sigterm": TerminateAfterStep}
 
 if __name__ == "__main__":
-  train.main([sys.argv[0], *sys.argv[2:]], hooks=[KillAfterSave(int(sys.argv[1]))])
+  mode, step, *train_flags = sys.argv[1:]
+  train.main([sys.argv[0], *train_flags], hooks=[HOOKS[mode](int(step))])

@@ -1,5 +1,7 @@
 """The attention dispatch: kernel selection by backend and shape, and every kernel against the XLA reference."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,3 +139,116 @@ def test_splash_kernel_in_interpret_mode_equals_xla_with_segments():
   out = attention.splash_attention(q, k, v, segment_ids=segment_ids, interpret=True)
   expected = reference_attention(q, k, v, segment_ids)
   np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5)
+
+
+def float64_causal_attention(q, k, v):
+  """The exact answer for the given (possibly bf16-rounded) inputs: float64 numpy, kv heads repeated."""
+  q, k, v = (np.asarray(a).astype(np.float64) for a in (q, k, v))
+  groups = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+  scores = np.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
+  scores = np.where(np.tril(np.ones((q.shape[1], k.shape[1]), bool)), scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  return np.einsum("BNTS,BSNH->BTNH", probs / probs.sum(-1, keepdims=True), v)
+
+
+BF16_KERNELS = {
+  "xla": lambda q, k, v: attention.xla_attention(q, k, v),
+  "chunked": lambda q, k, v: attention.chunked_attention(q, k, v, remat=False),
+  "chunked_remat": lambda q, k, v: attention.chunked_attention(q, k, v, remat=True),
+  "cached": lambda q, k, v: attention.cached_attention(
+    q,
+    k.transpose(0, 2, 1, 3),
+    v.transpose(0, 2, 1, 3),
+    q_positions=jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2]),
+    kv_positions=jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2]),
+  ),
+}
+
+
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_bf16_attention_keeps_scores_and_softmax_in_float32(kernel):
+  """With bf16 q, k, v every XLA kernel computes q·k and the softmax in float32 (README: "attention scores and
+  softmax ... are float32 whatever the compute dtype"); only the probabilities fed to the ·v product and the output
+  are rounded to bf16.
+
+  q and k are scaled so the unscaled scores are ~±64..200, where a bf16 score (8 mantissa bits) is off by up to 0.5:
+  after the 1/√H scaling that moves each softmax logit by ~0.1 and the output by ~0.19 (measured with the float32
+  island removed). With float32 scores the only errors are the bf16 roundings of the probabilities and of the output
+  (2⁻⁹ relative each, |v| ≤ ~4): measured 0.013, so 0.03 separates the two by 5×.
+  """
+  q, k, v = random_qkv(length=128, head_dim=16, seed=3)
+  q, k, v = (4 * q).astype(jnp.bfloat16), (4 * k).astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  out = BF16_KERNELS[kernel](q, k, v)
+  assert out.dtype == jnp.bfloat16  # the compute dtype comes back: the island is internal
+  error = np.abs(np.asarray(out, np.float64) - float64_causal_attention(q, k, v)).max()
+  assert error < 0.03, f"{kernel}: max error {error:.3f} vs float64; scores or softmax were not float32"
+
+
+@pytest.mark.parametrize(
+  "requested,length,segments,fallback",
+  [("cudnn", 128, False, "chunked"), ("splash", 128, True, "chunked"), ("splash", 100, False, "xla")],
+  ids=["cudnn_cpu", "splash_cpu_packed", "splash_ragged"],
+)
+def test_explicit_accelerator_kernel_on_cpu_warns_and_falls_back_with_equal_numbers(
+  caplog, requested, length, segments, fallback
+):
+  """README: "An explicit cudnn/splash that does not apply falls back with a warning, so every config also runs on
+  CPU". The fallback is one of the exact XLA kernels, so it equals the whole-scores reference to rounding (1e-6)."""
+  q, k, v = random_qkv(length=length, head_dim=16)
+  segment_ids = jnp.asarray([[1] * 50 + [2] * (length - 60) + [0] * 10, [1] * length]) if segments else None
+  with caplog.at_level(logging.WARNING, logger="llama_jax.attention"):
+    out = attention.attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, implementation=requested)
+  warnings = [r for r in caplog.records if r.name == "llama_jax.attention" and r.levelno == logging.WARNING]
+  assert len(warnings) == 1, caplog.text
+  message = warnings[0].getMessage()
+  backend = repr(jax.default_backend())
+  assert repr(requested) in message and backend in message and f"using the {fallback} kernel" in message, message
+  expected = attention.xla_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-6, rtol=0)
+
+  caplog.clear()  # "auto" choosing the same fallback is the normal path: no warning
+  with caplog.at_level(logging.WARNING, logger="llama_jax.attention"):
+    attention.attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, implementation="auto")
+  assert not caplog.records, caplog.text
+
+
+def primitive_names(jaxpr) -> set[str]:
+  """Every primitive in a jaxpr, nested ones (scan / map bodies, checkpointed and jitted functions) included."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          names |= primitive_names(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          names |= primitive_names(sub)
+  return names
+
+
+def test_chunked_attention_rematerialises_from_long_sequence_tokens():
+  """README: "from 2,048 tokens each chunk is rematerialised, so memory grows with T·chunk rather than T²".
+
+  Checked on the traced program of attention(implementation="auto") on CPU, from abstract shapes (nothing runs): a
+  `lax.map` (scan) over `jax.checkpoint`ed chunks (primitive "remat2") at LONG_SEQUENCE tokens, the unrolled chunk
+  loop without either just below. Then the memory claim itself on the compiled forward + backward at T=2048 (one
+  head of size 8): XLA's temporary buffers must stay below a quarter of one [T, T] float32 score matrix (16 MiB); the
+  remat program needs ~3 MiB (a few [chunk=128, T] blocks), the unrolled one 21 MiB.
+  """
+  assert attention.LONG_SEQUENCE == 2048
+
+  def traced(length):
+    q = jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 1, 8), jnp.float32)
+    return primitive_names(jax.make_jaxpr(lambda q, k, v: attention.attention(q, k, v))(q, kv, kv).jaxpr)
+
+  long, short = traced(attention.LONG_SEQUENCE), traced(attention.LONG_SEQUENCE // 2)
+  assert {"remat2", "scan"} <= long, sorted(long)
+  assert not {"remat2", "scan"} & short, sorted(short)
+
+  length = attention.LONG_SEQUENCE
+  qkv = jax.ShapeDtypeStruct((1, length, 1, 8), jnp.float32)
+  grad = jax.grad(lambda q, k, v: jnp.sum(attention.attention(q, k, v)), argnums=(0, 1, 2))
+  temp_bytes = jax.jit(grad).lower(qkv, qkv, qkv).compile().memory_analysis().temp_size_in_bytes
+  assert temp_bytes < length * length * 4 / 4, f"{temp_bytes / 2**20:.1f} MiB of temporaries at T={length}"

@@ -2,7 +2,6 @@
 cross-talk, and the pretrain → SFT → chat pipeline end to end."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -12,15 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from llama_jax import chat, chat_data, data
+from llama_jax import chat, chat_data, chat_repl, checkpoint, data
 from llama_jax.config import ModelConfig
 from llama_jax.loss import token_losses
 from llama_jax.model import Llama
+from llama_jax.sample import SamplingConfig, load_sampler
 from llama_jax.tokenizer import Tokenizer
-from tests.conftest import ROOT, needs_shakespeare
+from tests.conftest import META_TOKENIZER, ROOT, needs_meta_tokenizer, needs_shakespeare
 
-META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
-needs_meta = pytest.mark.skipif(not os.path.isfile(META_TOKENIZER), reason="Meta's LLaMA 2 tokenizer fixture is absent")
+needs_meta = needs_meta_tokenizer
 DIALOG = [
   {"role": "system", "content": "Always answer as Shakespeare would."},
   {"role": "user", "content": "What is the weather like?"},
@@ -123,19 +122,111 @@ def test_bad_lines_are_reported_with_file_and_line_then_skipped_or_stopped(tmp_p
     chat_data.load_conversations([path], on_error="stop")
 
 
-def test_long_conversations_drop_the_oldest_exchanges_and_keep_the_last_answer(small_tokenizer):
-  tokenizer = Tokenizer(small_tokenizer)
+def long_conversation(n_exchanges):
   messages = [{"role": "system", "content": "Be brief."}]
-  for i in range(6):
+  for i in range(n_exchanges):
     messages += [
       {"role": "user", "content": f"question number {i} " * 5},
       {"role": "assistant", "content": f"answer number {i} " * 5},
     ]
+  return messages
+
+
+def test_long_conversations_drop_the_oldest_exchanges_and_keep_the_last_answer(small_tokenizer):
+  tokenizer = Tokenizer(small_tokenizer)
+  messages = long_conversation(6)
   full = chat.encode_dialog(tokenizer, messages)
-  cut = chat.encode_dialog(tokenizer, messages, max_len=len(full.tokens) // 2)
-  assert cut.dropped_exchanges >= 3 and len(cut.tokens) <= len(full.tokens) // 2
+  max_len = len(full.tokens) // 2
+  # The expected result, built independently: the longest run of last exchanges that fits, with the system prompt.
+  kept = next(
+    k
+    for k in range(6, 0, -1)
+    if len(chat.encode_dialog(tokenizer, messages[:1] + messages[1 + 2 * (6 - k) :]).tokens) <= max_len
+  )
+  expected = chat.encode_dialog(tokenizer, messages[:1] + messages[1 + 2 * (6 - kept) :])
+  cut = chat.encode_dialog(tokenizer, messages, max_len=max_len)
+  assert (cut.dropped_exchanges, cut.truncated) == (6 - kept, False) and 0 < kept < 6
+  assert (cut.tokens, cut.loss_mask) == (expected.tokens, expected.loss_mask)
   assert cut.tokens[-sum(cut.loss_mask) :] == full.tokens[-sum(cut.loss_mask) :]  # the last answer is whole
   assert "Be brief" in tokenizer.decode(cut.tokens)  # the system prompt moves to the first exchange kept
+
+
+def test_a_last_exchange_too_long_alone_is_cut_from_the_left_keeping_its_answer_whole(small_tokenizer):
+  tokenizer = Tokenizer(small_tokenizer)
+  messages = long_conversation(1) + [
+    {"role": "user", "content": "tell me everything " * 40},
+    {"role": "assistant", "content": "No."},
+  ]
+  last_alone = chat.encode_dialog(tokenizer, messages[:1] + messages[3:])  # the system prompt moves to it
+  answer = sum(last_alone.loss_mask)  # the assistant tokens and their eos
+  max_len = answer + 10
+  cut = chat.encode_dialog(tokenizer, messages, max_len=max_len)
+  assert (cut.dropped_exchanges, cut.truncated, len(cut.tokens)) == (1, True, max_len)
+  assert cut.tokens == last_alone.tokens[-max_len:] and cut.loss_mask == last_alone.loss_mask[-max_len:]
+  assert cut.loss_mask == [0] * 10 + [1] * answer  # the prompt's end, then the whole answer
+  assert tokenizer.decode(cut.tokens[-answer:-1]).strip() == "No."
+  with pytest.raises(chat.ConversationError, match=f"the last assistant turn alone is {answer} tokens, more than the "):
+    chat.encode_dialog(tokenizer, messages, max_len=answer - 1)
+
+
+class FixedReplySampler:
+  """Stands in for the model in chat_session: the same reply every turn, so every length in the history is known;
+  it records each prompt it is given."""
+
+  def __init__(self, tokenizer, max_seq_len):
+    self.cfg = ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=2, max_seq_len=max_seq_len)
+    self.reply = tokenizer.encode("Fair is foul.")
+    self.prompts = []
+
+  def generate(self, prompts, max_new_tokens, sampling, seed, **streaming):
+    self.prompts.append(prompts[0])
+    return [self.reply]
+
+
+def test_chat_drops_the_oldest_exchanges_with_a_notice_on_stderr(small_tokenizer, capsys):
+  tokenizer = Tokenizer(small_tokenizer)
+  sampler = FixedReplySampler(tokenizer, max_seq_len=128)
+  max_len = 128 - 8  # room left for a reply of max_new_tokens 8
+  users = ["good morrow"] + [f"what news of the {word}, my lord?" for word in ("king", "queen", "prince")]
+  users += ["a long question about the court " * 2, "and then?", "everything about everything " * 30]
+  chat_repl.chat_session(
+    sampler,
+    tokenizer,
+    system="Be brief.",
+    sampling=SamplingConfig(),
+    max_new_tokens=8,
+    seed=0,
+    turns=iter(line + "\n" for line in users),
+    interactive=False,
+  )
+  # The expected prompts and notices, built independently: each turn keeps the longest run of the latest exchanges
+  # (never one dropped before) that fits with the new user turn, the system prompt on the first one kept.
+  system = [{"role": "system", "content": "Be brief."}]
+  exchanges, first_kept, expected_prompts, per_turn = [], 0, [], []
+
+  def history(first):
+    return [message for exchange in exchanges[first:] for message in exchange]
+
+  for user in users:
+    turn = [{"role": "user", "content": user}]
+    kept = first_kept
+    while kept < len(exchanges) and len(chat.encode_dialog(tokenizer, system + history(kept) + turn).tokens) > max_len:
+      kept += 1
+    encoded = chat.encode_dialog(tokenizer, system + history(kept) + turn, max_len=max_len)
+    expected_prompts.append(encoded.tokens)
+    per_turn.append((kept - first_kept, encoded.truncated))
+    exchanges.append(turn + [{"role": "assistant", "content": "Fair is foul."}])
+    first_kept = kept
+  notices = []
+  for dropped, truncated in per_turn:
+    notices += [f"[context window full: dropped the oldest {dropped} exchange(s)]"] * (dropped > 0)
+    notices += ["[this message is longer than the context window: its beginning was cut]"] * truncated
+  out, err = capsys.readouterr()
+  assert sampler.prompts == expected_prompts
+  assert err.splitlines() == notices
+  assert out == "Fair is foul.\n" * len(users)
+  # The scenario covers what it claims: drops of one and of several exchanges at once, and a last turn cut alone.
+  assert per_turn == [(0, False), (0, False), (1, False), (1, False), (2, False), (0, False), (2, True)]
 
 
 def packed_model():
@@ -239,8 +330,6 @@ def sft_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, small_tokenizer, sft_corpus):
-  if not os.path.isdir(os.path.dirname(small_tokenizer)):
-    pytest.skip("no tokenizer")
   base = tmp_path_factory.mktemp("pipeline")
   pre = train_cli(
     "configs/tiny.py",
@@ -284,16 +373,48 @@ def test_sft_reports_skips_lowers_assistant_loss_and_starts_a_fresh_optimizer(pi
   assert counts and all(int(c) == 40 for c in counts)  # 40 SFT steps, not 10 + 40: the optimizer started fresh
 
 
+def greedy_chat_replies(sampler, tokenizer, system, users, max_new_tokens):
+  """The replies the chat CLI should print, by the library it calls: each turn the whole history in the template
+  (system prompt first), greedy, each reply normalised to one line as the CLI prints it."""
+  history, replies = [], []
+  for turn_index, user in enumerate(users):
+    messages = ([{"role": "system", "content": system}] if system else []) + history
+    messages += [{"role": "user", "content": user}]
+    encoded = chat.encode_dialog(tokenizer, messages, max_len=sampler.cfg.max_seq_len - max_new_tokens)
+    assert encoded.dropped_exchanges == 0 and not encoded.truncated  # this conversation fits: no notice
+    reply = sampler.generate([encoded.tokens], max_new_tokens, SamplingConfig(temperature=0.0), seed=turn_index)[0]
+    replies.append(" ".join(tokenizer.decode(reply).split()))
+    history += [{"role": "user", "content": user}, {"role": "assistant", "content": tokenizer.decode(reply)}]
+  return replies
+
+
+@pytest.fixture(scope="module")
+def random_chat_checkpoint(tmp_path_factory, small_tokenizer):
+  """A checkpoint of seeded random weights: unlike the briefly fine-tuned model, whose replies vary from run to run,
+  its replies are fixed and change with the system prompt. max_seq_len 256: a random reply's text (byte pieces)
+  re-encodes into more tokens than it had, and the history must fit."""
+  cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=256)
+  out = str(tmp_path_factory.mktemp("chat") / "random")
+  params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0))))
+  checkpoint.save_params_dir(out, cfg, params, tokenizer_path=small_tokenizer)
+  return out
+
+
 @needs_shakespeare
-def test_chat_via_stdin_returns_a_reply_per_turn(pipeline):
-  base, _, _ = pipeline
+@pytest.mark.parametrize("model", ["sft", "random_weights"])
+def test_chat_via_stdin_returns_a_reply_per_turn(model, request):
+  if model == "sft":
+    checkpoint_dir = str(request.getfixturevalue("pipeline")[0] / "sft")
+  else:
+    checkpoint_dir = request.getfixturevalue("random_chat_checkpoint")
+  users = ["hello, how fare you?", "good evening, how fare you?"]
   result = subprocess.run(
     [
       sys.executable,
       "-m",
       "llama_jax.sample",
       "--checkpoint",
-      str(base / "sft"),
+      checkpoint_dir,
       "--chat",
       "--system",
       "Be kind.",
@@ -302,16 +423,24 @@ def test_chat_via_stdin_returns_a_reply_per_turn(pipeline):
       "--temperature",
       "0",
     ],
-    input="hello, how fare you?\ngood evening, how fare you?\n",
+    input="".join(user + "\n" for user in users),
     cwd=ROOT,
     capture_output=True,
     text=True,
     timeout=300,
   )
   assert result.returncode == 0, result.stderr
-  replies = result.stdout.strip().splitlines()
-  assert len(replies) == 2 and all(r.strip() for r in replies), result.stdout
+  sampler, tokenizer = load_sampler(checkpoint_dir)
+  expected = greedy_chat_replies(sampler, tokenizer, "Be kind.", users, 16)
+  assert all(expected), expected  # an empty reply would make the comparison weaker
+  assert result.stdout == "".join(reply + "\n" for reply in expected)
+  assert "[context window full" not in result.stderr
   assert "[INST]" not in result.stdout and "</s>" not in result.stdout
+  if model == "random_weights":
+    # The comparison above would catch a CLI that lost the system prompt: without it this model replies otherwise.
+    # (The history each turn carries is checked token by token in test_chat_drops_the_oldest_exchanges_...: at
+    # initialisation a model's reply hardly depends on earlier turns, so a reply comparison could not show it.)
+    assert greedy_chat_replies(sampler, tokenizer, None, users, 16) != expected
 
 
 @needs_shakespeare
@@ -330,8 +459,10 @@ def test_init_from_another_model_shape_is_refused(pipeline, sft_corpus):
 
 
 def test_packaged_corpora_convert_to_conversations():
+  # Exact counts of the packaged data (chitchat-dataset 0.9.0, chatterbot-corpus 1.3.3): a conversion that loses or
+  # invents conversations changes them. One chatterbot conversation has no answer and is reported.
   chitchat = list(chat_data.iter_conversations(["chitchat"]))
-  assert len(chitchat) > 5000
+  assert len(chitchat) == 7168
   good, problems = chat_data.load_conversations(["chatterbot:english,chinese"])
-  assert len(good) > 500 and any("我" in m["content"] for _, c in good for m in c)
+  assert (len(good), len(problems)) == (2492, 1) and any("我" in m["content"] for _, c in good for m in c)
   assert all(c[-1]["role"] == "assistant" for _, c in good)

@@ -17,9 +17,9 @@ from llama_jax import checkpoint, convert
 from llama_jax.config import ModelConfig
 from llama_jax.model import Llama
 from tests import hf_utils
+from tests.conftest import META_TOKENIZER as TOKENIZER_FIXTURE
+from tests.conftest import ROOT, needs_meta_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENIZER_FIXTURE = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=128)
 
 
@@ -82,7 +82,7 @@ def test_converted_checkpoint_gives_hf_logits_and_exports_a_dir_transformers_loa
   np.testing.assert_array_equal(reloaded(torch.tensor(tokens)).logits.detach().numpy(), expected)
 
 
-@pytest.mark.skipif(not os.path.isfile(TOKENIZER_FIXTURE), reason="Meta's LLaMA 2 tokenizer fixture is absent")
+@needs_meta_tokenizer  # skips without the fixture, fails under CI=true
 def test_tokenizer_model_travels_with_the_checkpoint(tmp_path):
   _, hf_dir = save_hf(tmp_path)
   with open(TOKENIZER_FIXTURE, "rb") as src, open(os.path.join(hf_dir, "tokenizer.model"), "wb") as dst:
@@ -184,3 +184,55 @@ def test_cli_to_hf_from_an_incomplete_checkpoint(tmp_path):
   assert_one_line_error(
     run_cli("--to_hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")), "no complete checkpoint step"
   )
+
+
+ROPE_SCALINGS = {
+  "linear": (
+    dict(rope_scaling="linear", rope_scaling_factor=4.0),
+    {"rope_type": "linear", "factor": 4.0},
+  ),
+  "llama3": (
+    dict(rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=32),
+    {
+      "rope_type": "llama3",
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32,
+    },
+  ),
+}
+
+
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS)
+def test_to_hf_writes_rope_scaling_and_transformers_gives_the_same_logits(tmp_path, scaling):
+  """A rope-scaled llama_jax checkpoint exported with to_hf: config.json carries `rope_scaling` as transformers
+  names it, and the LlamaForCausalLM that transformers builds from the directory gives llama_jax's logits (float32,
+  1e-4 as the README states) at 64 tokens, past llama3's 32-token original context. Without the scaling the
+  logits move by 5e-3 (llama3) to 8e-3 (linear), checked below, so the comparison cannot pass with it dropped."""
+  changes, expected_rope_scaling = ROPE_SCALINGS[scaling]
+  cfg = CFG.replace(**changes)
+  params = hf_utils.params_of(hf_utils.random_hf_model(cfg, seed=3), cfg)  # only the weights: no rope in them
+  checkpoint.save_params_dir(str(tmp_path / "ckpt"), cfg, params)
+  convert.to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+
+  with open(tmp_path / "hf" / "config.json") as f:
+    assert json.load(f)["rope_scaling"] == expected_rope_scaling
+
+  # Built abstractly and filled with the weights: the random initialisation would only be overwritten.
+  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  tokens = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 64))
+  ours = np.asarray(model(jnp.asarray(tokens)))
+  exported = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+  with torch.no_grad():
+    hf_logits = exported(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(hf_logits, ours, atol=1e-4, rtol=0)
+
+  unscaled = nnx.eval_shape(lambda: Llama(cfg.replace(rope_scaling="none"), rngs=nnx.Rngs(0)))
+  nnx.update(unscaled, state)
+  scaling_effect = np.abs(np.asarray(unscaled(jnp.asarray(tokens))) - ours).max()
+  print(f"{scaling}: logits move by {scaling_effect:.1e} without the scaling")
+  assert scaling_effect > 1e-3

@@ -96,17 +96,42 @@ def test_same_seed_same_batches_other_seed_other_batches(tmp_path, tok):
   assert np.array_equal(a[0]["inputs"][:, 1:], a[0]["targets"][:, :-1])  # targets are inputs shifted by one
 
 
-def test_processes_read_disjoint_shares_of_each_global_batch(tmp_path, tok):
-  out = str(tmp_path / "p")
-  data.prepare([corpus(tmp_path)], [], tok, out)
-  whole = batches(data.train_dataset(out, 16, 8, seed=0), 4)
-  shares = [batches(data.train_dataset(out, 16, 8, seed=0, process_index=p, process_count=2), 4) for p in range(2)]
-  for step in range(4):
-    rows = [tuple(r) for r in whole[step]["inputs"]]
-    share_rows = [[tuple(r) for r in shares[p][step]["inputs"]] for p in range(2)]
-    assert len(share_rows[0]) == len(share_rows[1]) == 4
-    assert not set(share_rows[0]) & set(share_rows[1])
-    assert sorted(share_rows[0] + share_rows[1]) == sorted(rows)
+def numbered_windows(tmp_path, n_windows, seq_len):
+  """A prepared directory whose training stream is 0, 1, 2, ...: window i's inputs start with i·seq_len, so every
+  batch row names the window it came from."""
+  out = str(tmp_path / "numbered")
+  os.makedirs(out)
+  tokens = np.arange(n_windows * seq_len + 1, dtype=np.uint16)
+  tokens.tofile(os.path.join(out, "train.bin"))
+  data.write_meta(out, {"dtype": "uint16", "train": {"tokens": len(tokens)}})
+  return out
+
+
+def window_ids(batch, seq_len):
+  return (batch["inputs"][:, 0] // seq_len).tolist()
+
+
+def test_processes_read_contiguous_blocks_of_each_global_batch(tmp_path):
+  out = numbered_windows(tmp_path, n_windows=40, seq_len=4)
+  whole = batches(data.train_dataset(out, 4, 8, seed=0), 6)
+  for count in (2, 4):
+    shares = [
+      batches(data.train_dataset(out, 4, 8, seed=0, process_index=p, process_count=count), 6) for p in range(count)
+    ]
+    for step in range(6):
+      # Process p of P holds rows [p·B/P, (p+1)·B/P) of the global batch a single process reads, inputs and targets.
+      for p in range(count):
+        block = slice(p * 8 // count, (p + 1) * 8 // count)
+        for key in ("inputs", "targets"):
+          np.testing.assert_array_equal(shares[p][step][key], whole[step][key][block], err_msg=f"{count=} {p=} {step=}")
+
+
+def test_each_epoch_is_a_new_permutation_of_the_same_windows(tmp_path):
+  out = numbered_windows(tmp_path, n_windows=12, seq_len=4)
+  order = [w for batch in batches(data.train_dataset(out, 4, 4, seed=0), 9) for w in window_ids(batch, 4)]
+  epochs = [order[0:12], order[12:24], order[24:36]]  # 3 batches of 4 per epoch of 12 windows
+  assert all(sorted(epoch) == list(range(12)) for epoch in epochs), epochs  # each window once per epoch
+  assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2], epochs
 
 
 def test_iterator_state_restores_the_exact_continuation(tmp_path, tok):
@@ -128,6 +153,19 @@ def test_eval_batches_cover_every_window_once_with_padding_weights(tmp_path, tok
   got = list(data.eval_batches(windows, batch_size=4))
   assert len(got) == 3 and got[-1]["weights"].sum() == 3 * 9
   assert got[0]["inputs"][1, 0] == 9 and got[0]["targets"][1, -1] == 18
+
+
+def test_jsonl_documents_come_from_the_text_field_and_a_line_without_it_is_named(tmp_path, tok):
+  lines = [{"body": "first document", "text": "not this"}, {"body": "second one", "id": 2}]
+  path = write(tmp_path / "docs.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
+  meta = data.prepare([path], [], tok, str(tmp_path / "p"), text_field="body")
+  tokens = np.fromfile(os.path.join(tmp_path / "p", "train.bin"), dtype=meta["dtype"]).tolist()
+  expected = [t for line in lines for t in (tok.bos_id, *tok.encode(line["body"]), tok.eos_id)]
+  assert tokens == expected and meta["train"]["documents"] == 2
+  missing = write(tmp_path / "missing.jsonl", json.dumps({"body": "ok"}) + "\n" + json.dumps({"text": "x"}) + "\n")
+  with pytest.raises(data.DataError) as error:
+    data.prepare([missing], [], tok, str(tmp_path / "p2"), text_field="body")
+  assert str(error.value) == f"{missing}:2: no string field 'body'"
 
 
 def test_errors_name_the_problem(tmp_path, tok):

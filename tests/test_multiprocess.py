@@ -1,8 +1,10 @@
 """Two real JAX processes on one machine (loopback coordinator, 4 simulated CPU devices each) train like one process
 with 8 devices, write one checkpoint together, and a one-process rerun resumes from it."""
 
+import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 
@@ -85,6 +87,23 @@ def run_two_processes(workdir, tokenizer, steps):
   return outputs
 
 
+def tensorboard_scalars(directory) -> list[tuple[str, int]]:
+  """(tag, step) of every scalar in the event files under `directory`, read as TFRecords: 8-byte length, 4-byte CRC,
+  the Event proto, 4-byte CRC."""
+  from tensorboardX.proto import event_pb2
+
+  scalars = []
+  for name in sorted(os.listdir(directory)):
+    data = (directory / name).read_bytes()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack("<Q", data[offset : offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+      scalars.extend((value.tag, event.step) for value in event.summary.value)
+      offset += 12 + length + 4
+  return scalars
+
+
 def losses(workdir):
   return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss" in r}
 
@@ -99,6 +118,14 @@ def test_two_processes_train_like_one_and_a_single_process_resumes(tmp_path, sma
   for step, loss in losses(one).items():
     assert losses(two)[step] == pytest.approx(loss, rel=1e-5), step
   assert "step      5" in out0 and "step" not in out1
+  # Process 0 alone writes metrics.jsonl and TensorBoard events: one line and one scalar per metric and step. (Event
+  # files are named by second and host, so a second writer could share process 0's file name: count the scalars.)
+  lines = (two / "metrics.jsonl").read_text().splitlines()
+  assert len(lines) == len(set(lines)) and [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5], lines
+  assert len(os.listdir(two / "tensorboard")) == 1, os.listdir(two / "tensorboard")
+  scalars = tensorboard_scalars(two / "tensorboard")
+  assert sorted(step for tag, step in scalars if tag == "loss") == [1, 2, 3, 4, 5], scalars
+  assert len(scalars) == len(set(scalars)), scalars
   # Both processes wrote one checkpoint, at the end.
   assert sorted(os.listdir(two / "checkpoints")) == ["5"]
 

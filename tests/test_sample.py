@@ -14,7 +14,7 @@ from flax import nnx
 from llama_jax import checkpoint, convert
 from llama_jax.config import ModelConfig
 from llama_jax.model import KVCache, Llama, unstack_layers
-from llama_jax.sample import SampleError, Sampler, SamplingConfig, filter_logits, next_token
+from llama_jax.sample import SampleError, Sampler, SamplingConfig, filter_logits, load_sampler, next_token
 from tests import hf_utils
 from tests.conftest import ROOT
 
@@ -157,36 +157,57 @@ def run_sample(*args):
   )
 
 
-def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir):
-  result = run_sample(
-    "--checkpoint",
-    checkpoint_dir,
-    "--prompt",
-    "Shall I compare thee",
-    "--prompt",
-    "O",
-    "--max_new_tokens",
-    "12",
-    "--temperature",
-    "0",
-  )
+CLI_PROMPTS = ["Shall I compare thee", "O"]
+
+
+@pytest.fixture(scope="module")
+def greedy_completions(checkpoint_dir):
+  """Each CLI prompt + its greedy continuation, computed in-process by the library the CLI calls."""
+  sampler, tokenizer = load_sampler(checkpoint_dir)
+  encoded = [tokenizer.encode(p, bos=True) for p in CLI_PROMPTS]
+  outputs = sampler.generate(encoded, 12, SamplingConfig(temperature=0.0))
+  # Random weights: no row may stop at once, or a CLI that printed only its prompts would pass.
+  assert all(len(output) >= 4 for output in outputs), outputs
+  return [tokenizer.decode(ids + output) for ids, output in zip(encoded, outputs)]
+
+
+def batch_output(texts):
+  """What the CLI prints for several prompts: a rule line, then each prompt with its continuation."""
+  return "".join(f"{'-' * 40}\n{text}\n" for text in texts)
+
+
+GREEDY_12 = ["--max_new_tokens", "12", "--temperature", "0"]
+
+
+def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir, greedy_completions):
+  prompt_args = [arg for prompt in CLI_PROMPTS for arg in ("--prompt", prompt)]
+  result = run_sample("--checkpoint", checkpoint_dir, *prompt_args, *GREEDY_12)
   assert result.returncode == 0, result.stderr
-  assert "Shall I compare thee" in result.stdout and "\nO" in result.stdout
+  assert result.stdout == batch_output(greedy_completions)
   assert "<s>" not in result.stdout and "</s>" not in result.stdout and "<unk>" not in result.stdout
-  streamed = run_sample(
-    "--checkpoint",
-    checkpoint_dir,
-    "--prompt",
-    "Shall I compare thee",
-    "--max_new_tokens",
-    "12",
-    "--temperature",
-    "0",
-    "--stream",
-    "yes",
-  )
-  first = [line for line in result.stdout.splitlines() if line.startswith("Shall I compare thee")]
-  assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == first[0], (streamed.stdout, result.stdout)
+  streamed = run_sample("--checkpoint", checkpoint_dir, "--prompt", CLI_PROMPTS[0], *GREEDY_12, "--stream", "yes")
+  assert streamed.returncode == 0, streamed.stderr
+  assert streamed.stdout == greedy_completions[0] + "\n"
+
+
+def test_cli_prompt_file_gives_one_completion_per_non_blank_line(checkpoint_dir, greedy_completions, tmp_path):
+  prompt_file = tmp_path / "prompts.txt"
+  prompt_file.write_text(f"{CLI_PROMPTS[0]}\n\n   \n{CLI_PROMPTS[1]}\n\n", encoding="utf-8")
+  result = run_sample("--checkpoint", checkpoint_dir, "--prompt_file", str(prompt_file), *GREEDY_12)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == batch_output(greedy_completions)
+
+
+def test_prompt_lengths_inside_one_bucket_share_one_compiled_prefill_and_decode():
+  cfg = CONFIGS["mha"]
+  sampler = Sampler(cfg, random_params(cfg), eos_id=-1)
+  # The Sampler's own jitted functions for these settings (stop ids: eos alone); _cache_size() counts their programs.
+  prefill_fn, decode_fn = sampler._compiled(SamplingConfig(), 4, (-1,))
+  compiled = []
+  for length in (3, 16, 17):  # buckets 16, 16, 32
+    sampler.generate([list(range(3, 3 + length))], 4)
+    compiled.append((prefill_fn._cache_size(), decode_fn._cache_size()))
+  assert compiled == [(1, 1), (1, 1), (2, 2)]
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,15 @@
 """Training end to end through the CLI: loss goes down, exact resume after SIGKILL and SIGTERM, crash-safe saves,
 evaluation, and one-line errors that leave the workdir untouched."""
 
+import hashlib
 import json
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -74,11 +77,12 @@ def final_checkpoint(workdir, step):
 
 
 def assert_bit_identical(a, b):
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
+  leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+  leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
   assert tree_a == tree_b
-  for x, y in zip(leaves_a, leaves_b):
-    assert x.dtype == y.dtype and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+  for (path, x), (_, y) in zip(leaves_a, leaves_b):
+    same = x.dtype == y.dtype and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+    assert same, f"{jax.tree_util.keystr(path)} differs"
 
 
 def batches_by_step(workdir):
@@ -105,6 +109,53 @@ def uninterrupted(request, straight_runs):
   return request.param, straight_runs(request.param)
 
 
+def expected_lr(count: int, peak: float, warmup: int, steps: int, min_lr_ratio: float) -> float:
+  """Linear warmup from 0 to `peak` over `warmup` steps, then cosine decay to peak·min_lr_ratio at `steps`."""
+  if count < warmup:
+    return peak * count / warmup
+  end = peak * min_lr_ratio
+  return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (count - warmup) / (steps - warmup)))
+
+
+def utf8_bytes_per_token(sp) -> np.ndarray:
+  """The UTF-8 bytes of text each token id stands for: 1 for a byte-fallback piece, 0 for bos/eos/unk, otherwise the
+  piece with sentencepiece's "▁" read as a space."""
+  lengths = np.zeros(sp.get_piece_size(), np.int64)
+  for i in range(sp.get_piece_size()):
+    if sp.is_byte(i):
+      lengths[i] = 1
+    elif not (sp.is_control(i) or sp.is_unknown(i)):
+      lengths[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+  return lengths
+
+
+def validation_sums(workdir, step: int, n_windows: int) -> tuple[float, int, int]:
+  """(summed loss in nats, tokens, UTF-8 bytes of the target tokens) of the checkpoint at `step` on the first
+  `n_windows` validation windows, computed here from val.bin with numpy."""
+  import sentencepiece
+  from flax import nnx
+
+  from llama_jax import checkpoint as checkpoint_lib
+  from llama_jax import sharding
+  from llama_jax.model import Llama
+
+  run_config = json.loads((workdir / "run_config.json").read_text())
+  seq_len = run_config["train"]["seq_len"]
+  meta = json.loads((workdir / "data" / "meta.json").read_text())
+  tokens = np.fromfile(workdir / "data" / "val.bin", dtype=meta["dtype"]).astype(np.int64)
+  windows = np.stack([tokens[i * seq_len : (i + 1) * seq_len + 1] for i in range(n_windows)])
+  inputs, targets = windows[:, :-1], windows[:, 1:]
+  cfg = checkpoint_lib.read_model_config(str(workdir))
+  graphdef, _ = sharding.abstract_params(Llama, cfg)
+  params = final_checkpoint(workdir, step)["params"]
+  logits = np.asarray(nnx.merge(graphdef, params)(jax.numpy.asarray(inputs, np.int32)), np.float64)
+  log_probs = logits - logits.max(-1, keepdims=True)
+  log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+  loss_sum = -np.take_along_axis(log_probs, targets[..., None], axis=-1).sum()
+  sp = sentencepiece.SentencePieceProcessor(model_file=str(workdir / "tokenizer.model"))
+  return float(loss_sum), targets.size, int(utf8_bytes_per_token(sp)[targets].sum())
+
+
 def test_loss_goes_down_and_validation_metrics_are_written(uninterrupted):
   _, workdir = uninterrupted
   records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
@@ -119,25 +170,69 @@ def test_loss_goes_down_and_validation_metrics_are_written(uninterrupted):
   for name in ("model_config.json", "run_config.json", "tokenizer.model"):
     assert os.path.isfile(os.path.join(workdir, name))
 
+  # Step 12's validation (eval_batches 2 × batch_size 4 = the first 8 windows), recomputed from its checkpoint.
+  loss_sum, n_tokens, n_bytes = validation_sums(workdir, 12, 8)
+  assert val[-1]["val_loss"] == pytest.approx(loss_sum / n_tokens, rel=1e-5)
+  assert val[-1]["val_bits_per_byte"] == pytest.approx(loss_sum / math.log(2) / n_bytes, rel=1e-5)
+
+  # The line of step s is the step that ran at optimizer count s - 1 (0-based), so it logs the schedule there.
+  train = json.loads((workdir / "run_config.json").read_text())["train"]
+  logged_lr = {r["step"]: r["lr"] for r in records if "lr" in r}
+  assert sorted(logged_lr) == list(range(1, 13))
+  for step, lr in logged_lr.items():
+    want = expected_lr(step - 1, train["lr"], train["warmup_steps"], train["steps"], train["min_lr_ratio"])
+    assert lr == pytest.approx(want, rel=1e-5, abs=1e-9), step
+
+
+def assert_same_batches(workdir, straight):
+  """Every batch record of `workdir` (a rerun appends to the killed run's) equals the uninterrupted run's at that step:
+  the same batches in the same order, before and after the interruption."""
+  want = batches_by_step(straight)
+  records = read_jsonl(os.path.join(workdir, "batches.jsonl"))
+  assert {r["step"] for r in records} == set(want)
+  for r in records:
+    assert r["inputs_sha256"] == want[r["step"]], r["step"]
+
 
 def test_sigkill_after_a_checkpoint_then_rerun_is_bit_identical(uninterrupted, tmp_path, small_tokenizer):
   accum, straight = uninterrupted
   workdir = tmp_path / "killed"
-  # Dies right after the step-8 save starts; the step-4 checkpoint is complete.
+  # SIGKILL while the step-8 save is in flight: its items are written but orbax's commit (renaming the temporary
+  # directory to checkpoints/8) is held back; the step-4 checkpoint is complete.
   killed = run_train(
-    workdir, small_tokenizer, f"--config.train.grad_accum={accum}", check=False, module=("tests.fault_injection", "8")
+    workdir,
+    small_tokenizer,
+    f"--config.train.grad_accum={accum}",
+    check=False,
+    module=("tests.fault_injection", "sigkill", "8"),
   )
-  assert killed.returncode == -signal.SIGKILL
-  complete = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
-  assert complete and complete[-1] in (4, 8)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  entries = os.listdir(workdir / "checkpoints")
+  assert sorted(d for d in entries if d.isdigit()) == ["4"]
+  partial = [d for d in entries if d.startswith("8.orbax-checkpoint-tmp")]
+  assert len(partial) == 1, entries
+  assert {"params", "train", "data"} <= set(os.listdir(workdir / "checkpoints" / partial[0]))
   resumed = run_train(workdir, small_tokenizer, f"--config.train.grad_accum={accum}")
-  assert f"steps {complete[-1]} → 12" in resumed.stdout
+  assert "steps 4 → 12" in resumed.stdout, resumed.stdout
   assert_bit_identical(final_checkpoint(straight, 12), final_checkpoint(workdir, 12))
-  # The same batches in the same order: every step's batch digest equals the uninterrupted run's.
-  assert batches_by_step(workdir) == batches_by_step(straight)
+  assert_same_batches(workdir, straight)
+
+
+def test_sigterm_after_a_step_then_rerun_is_bit_identical(straight_runs, tmp_path, small_tokenizer):
+  """Preemption at step 6 (between saves): the loop stops there, saves step 6, and the rerun resumes from it exactly."""
+  straight = straight_runs(1)
+  workdir = tmp_path / "preempted"
+  stopped = run_train(workdir, small_tokenizer, module=("tests.fault_injection", "sigterm", "6"))
+  assert "stopped by signal at step 6" in stopped.stdout, stopped.stdout
+  assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == [4, 6]
+  resumed = run_train(workdir, small_tokenizer)
+  assert "steps 6 → 12" in resumed.stdout, resumed.stdout
+  assert_bit_identical(final_checkpoint(straight, 12), final_checkpoint(workdir, 12))
+  assert_same_batches(workdir, straight)
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path, small_tokenizer):
+  """A real SIGTERM from another process, while the run trains (towards 100,000 steps)."""
   workdir = tmp_path / "preempted"
   args = [
     sys.executable,
@@ -153,22 +248,30 @@ def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path, small_tokenizer)
     "--config.train.save_every=100000",
     "--config.train.eval_every=0",
   ]
+  limit_s = 300
   process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  for line in process.stdout:
-    if line.startswith("step      3 "):
-      process.send_signal(signal.SIGTERM)
-      break
-  output = process.communicate(timeout=300)[0]
+  # Whatever happens (a changed log line, a signal that does not stop the run), the process dies within the limit.
+  watchdog = threading.Timer(limit_s, process.kill)
+  watchdog.start()
+  try:
+    seen = []
+    for line in process.stdout:
+      seen.append(line)
+      if line.startswith("step      3 "):
+        process.send_signal(signal.SIGTERM)
+        break
+    output = "".join(seen) + process.communicate()[0]
+  finally:
+    watchdog.cancel()
+  assert process.returncode != -signal.SIGKILL, f"killed after {limit_s} s: no 'step 3' line, or no stop\n{output}"
+  assert any(line.startswith("step      3 ") for line in seen), output
   assert process.returncode == 0, output
-  assert "stopped by signal" in output
-  saved = [int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()]
-  assert len(saved) == 1 and saved[0] >= 3
-  # The same command resumes from that step (and is stopped the same way).
-  process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  first = next(line for line in process.stdout if "steps" in line)
-  process.send_signal(signal.SIGTERM)
-  process.communicate(timeout=300)
-  assert f"steps {saved[0]} → 100000" in first, first
+  stopped = [line for line in output.splitlines() if line.startswith("stopped by signal at step ")]
+  assert len(stopped) == 1, output
+  step = int(stopped[0].split()[5].rstrip(";"))
+  assert step >= 3
+  # One checkpoint, of the step the run stopped at (save_every is never reached).
+  assert [d for d in os.listdir(workdir / "checkpoints") if d.isdigit()] == [str(step)]
 
 
 def test_incomplete_checkpoint_directory_is_ignored_on_resume(straight_runs, tmp_path, small_tokenizer):
@@ -218,6 +321,43 @@ def test_evaluate_cli_reads_everything_from_the_checkpoint_dir(uninterrupted):
   assert result.returncode == 0 and "bits/byte" in result.stdout, result.stderr
 
 
+def test_evaluate_data_takes_files_directories_globs_and_jsonl(straight_runs, tmp_path, capsys):
+  """`--data` in each form reads the same two documents: the same token count (what tokenizing them gives: bos +
+  tokens + eos each, cut into windows of seq_len + 1) and the same loss. Run in process: the CLI's own main()."""
+  import sentencepiece
+
+  from llama_jax import evaluate
+
+  workdir, seq_len = straight_runs(1), 8
+  documents = [
+    "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n" * 3,
+    "Rough winds do shake the darling buds of May — café, 夏日, naïve.\n" * 2,
+  ]
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for name, text in zip(("a.txt", "b.txt"), documents):
+    (docs / name).write_text(text, encoding="utf-8")
+  jsonl = tmp_path / "docs.jsonl"
+  # "text" holds a decoy: only --text_field body gives the same documents.
+  jsonl.write_text("".join(json.dumps({"text": "decoy", "body": text}) + "\n" for text in documents), encoding="utf-8")
+
+  sp = sentencepiece.SentencePieceProcessor(model_file=str(workdir / "tokenizer.model"))
+  n_tokens = sum(len(sp.encode(text)) + 2 for text in documents)
+  expected = f"tokens {(n_tokens - 1) // seq_len * seq_len:,}"
+
+  lines = {}
+  for form, data in (
+    ("files", [str(docs / "a.txt"), str(docs / "b.txt")]),
+    ("directory", [str(docs)]),
+    ("glob", [str(docs / "*.txt")]),
+    ("jsonl", [str(jsonl), "--text_field", "body"]),
+  ):
+    assert evaluate.main(["--checkpoint", str(workdir), "--seq_len", str(seq_len), "--data", *data]) == 0
+    lines[form] = capsys.readouterr().out.strip()
+    assert lines[form].endswith(expected), (form, lines[form], expected)
+  assert len(set(lines.values())) == 1, lines
+
+
 def assert_one_line_error(result, *fragments):
   assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
   lines = result.stderr.strip().splitlines()
@@ -228,11 +368,36 @@ def assert_one_line_error(result, *fragments):
 
 def test_incompatible_workdir_is_refused_and_left_untouched(straight_runs, small_tokenizer):
   workdir = straight_runs(1)
-  before = {p: os.path.getmtime(os.path.join(d, p)) for d, _, files in os.walk(workdir) for p in files}
+  before = file_digests(workdir)
   result = run_train(workdir, small_tokenizer, "--config.model.dim=64", check=False)
   assert_one_line_error(result, "different model", "dim 32 → 64")
-  after = {p: os.path.getmtime(os.path.join(d, p)) for d, _, files in os.walk(workdir) for p in files}
-  assert before == after
+  assert file_digests(workdir) == before
+
+
+def file_digests(directory) -> dict[str, str]:
+  """{path relative to `directory`: sha256} of every file below it (orbax repeats names such as _METADATA)."""
+  digests = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+  return digests
+
+
+def test_keep_and_keep_every_decide_which_checkpoints_stay(tmp_path, small_tokenizer):
+  """Saves at 2, 4, 6, 8 and 10 (the end); the last `keep` = 2 (8, 10) stay, plus every `keep_every` = 4th (4, 8)."""
+  workdir = tmp_path / "kept"
+  run_train(
+    workdir,
+    small_tokenizer,
+    "--config.train.steps=10",
+    "--config.train.save_every=2",
+    "--config.train.keep=2",
+    "--config.train.keep_every=4",
+    "--config.train.eval_every=0",
+  )
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "4", "8"]
 
 
 @pytest.mark.parametrize(
