@@ -127,7 +127,21 @@ def load_params(directory: str, step: int | None = None, shardings: Any = None) 
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
   restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
   manager.close()
+  _check_finite(restored["params"], f"checkpoint directory {directory!r} step {step}")
   return cfg, restored["params"]
+
+
+def _check_finite(params: Any, where: str) -> None:
+  """Refuses parameters holding NaN or infinity (a diverged run's, or a damaged file's): sampling, evaluating,
+  converting or fine-tuning them would only pass the damage on."""
+  from llama_jax.sharding import path_name
+
+  flags = jax.tree.map(lambda a: jax.numpy.isfinite(a).all(), params)
+  for path, ok in jax.tree_util.tree_leaves_with_path(jax.device_get(flags)):
+    if not ok:
+      raise CheckpointError(
+        f"{where} holds non-finite values (NaN or infinity) in {path_name(path)}; use an earlier step"
+      )
 
 
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:

@@ -31,6 +31,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
 DATA_FORMATS = ("text", "chat")
 ON_ERROR = ("skip", "stop")
+NONFINITE_POLICIES = ("stop", "skip")
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -282,6 +283,10 @@ class TrainConfig(_Section):
   peak_flops_per_device: float = 0.0  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
   record_batches: bool = False  # append each step's batch digest to batches.jsonl (data provenance, resume checks)
   profile_steps: tuple[int, ...] = ()  # (start, count): a jax.profiler trace of steps start .. start+count-1
+  # A step whose loss or gradients are not finite is never applied. "stop": the run ends with one line and exit 2,
+  # saving nothing after it; "skip": it is skipped (counted in the log) unless max_skipped_steps follow in a row.
+  on_nonfinite: str = "stop"
+  max_skipped_steps: int = 10
 
   def __post_init__(self):
     self._check_types()
@@ -296,6 +301,8 @@ class TrainConfig(_Section):
     _check_range("train.eps", self.eps, 0, low_open=True)
     for name in ("weight_decay", "clip_norm", "peak_flops_per_device"):
       _check_range(f"train.{name}", getattr(self, name), 0)
+    _check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+    _check_range("train.max_skipped_steps", self.max_skipped_steps, 1)
     if self.batch_size % self.grad_accum:
       raise ConfigError(f"train.batch_size {self.batch_size} is not divisible by train.grad_accum {self.grad_accum}")
     if self.keep_every % self.save_every:

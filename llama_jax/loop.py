@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from llama_jax import checkpoint as checkpoint_lib
+from llama_jax.errors import LlamaJaxError
 from llama_jax.metrics import MetricsWriter, append_line
 
 
@@ -137,6 +138,53 @@ class EvalHook(Hook):
 
   def after_step(self, info: StepInfo) -> None:
     self.run(info.step, info.state["params"])
+
+
+class NonFiniteError(LlamaJaxError, ValueError):
+  """Training met non-finite losses or gradients it may not skip; the message names the step and what was kept."""
+
+
+class NonFiniteHook(Hook):
+  """Acts on steps whose loss or gradients were not finite (train_step never applies them): "stop" ends the run at the
+  first, "skip" goes on unless `max_skipped` follow in a row. Flags are read one step late, like the metrics, except
+  at save steps and at the end, where they are read at once: so no checkpoint is written after such a step, and
+  `keep` never rotates a good one out because of it. Run before the checkpoint hook."""
+
+  def __init__(self, policy: str, max_skipped: int, save_every: int, latest_step: Callable[[], int | None]):
+    self.policy, self.max_skipped, self.save_every, self.latest_step = policy, max_skipped, save_every, latest_step
+    self._pending: list[tuple[int, Any]] = []
+    self.in_a_row = self.skipped = 0
+
+  def after_step(self, info: StepInfo) -> None:
+    self._pending.append((info.step, info.metrics["nonfinite"]))
+    saving = info.last or info.step % self.save_every == 0
+    self._check(info.step if saving else info.step - 1)
+
+  def end(self, info: StepInfo) -> None:
+    self._check(info.step)
+
+  def _check(self, until: int) -> None:
+    ready = [(s, flag) for s, flag in self._pending if s <= until]
+    self._pending = [(s, flag) for s, flag in self._pending if s > until]
+    for step, flag in zip([s for s, _ in ready], jax.device_get([flag for _, flag in ready])):
+      if not flag:
+        self.in_a_row = 0
+        continue
+      self.skipped += 1
+      self.in_a_row += 1
+      kept = f"nothing after step {step - 1} is saved; the latest checkpoint is step {self.latest_step() or 0}"
+      if self.policy == "stop":
+        raise NonFiniteError(
+          f"step {step}: the loss or the gradients are not finite, so training stopped "
+          f"(train.on_nonfinite='stop'); {kept}. Lower train.lr, check the data, or set "
+          f"--config.train.on_nonfinite=skip"
+        )
+      if self.in_a_row >= self.max_skipped:
+        raise NonFiniteError(
+          f"steps {step - self.in_a_row + 1}–{step}: {self.in_a_row} steps in a row with non-finite "
+          f"loss or gradients, train.max_skipped_steps is {self.max_skipped}; {kept}. Lower "
+          f"train.lr or check the data"
+        )
 
 
 class CheckpointHook(Hook):

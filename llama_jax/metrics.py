@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -82,7 +83,8 @@ class MetricsWriter:
     append_line(self._jsonl, json.dumps({"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}))
     if self._tensorboard is not None:
       for key, value in metrics.items():
-        self._tensorboard.add_scalar(f"{prefix}{key}", value, step)
+        if math.isfinite(value):  # a skipped step's NaN stays in metrics.jsonl; TensorBoard would only warn
+          self._tensorboard.add_scalar(f"{prefix}{key}", value, step)
       self._tensorboard.flush()
     self.echo(f"step {step:>6d} | " + " | ".join(f"{prefix}{k} {format_value(v)}" for k, v in metrics.items()))
 
@@ -114,7 +116,9 @@ class MetricsWriter:
     self._due = None
     now = time.perf_counter()
     elapsed, steps = now - self._window_start, until - self._window_step
-    loss = float(np.mean([m["loss"] for m in fetched]))
+    finite_losses = [m["loss"] for m in fetched if not m.get("nonfinite", 0)]
+    loss = float(np.mean(finite_losses)) if finite_losses else float("nan")
+    skipped = sum(int(m.get("nonfinite", 0)) for m in fetched)
     self.last_train = dict(
       loss=loss,
       grad_norm=float(fetched[-1]["grad_norm"]),
@@ -124,6 +128,8 @@ class MetricsWriter:
       mfu=self._flops_per_step * steps / elapsed / self._peak_flops,
       perplexity=perplexity(loss),
     )
+    if skipped:  # steps of this window that were not applied (non-finite loss or gradients)
+      self.last_train["skipped_steps"] = skipped
     self.write(until, self.last_train)
     self._window_start, self._window_step = now, until
 

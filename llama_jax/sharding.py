@@ -142,7 +142,7 @@ def active_specs(named_axes: Mapping[str, Sequence[str | None]]) -> dict[str, Pa
   return {key: logical_to_spec(axes, rules) for key, axes in named_axes.items()}
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -159,7 +159,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Rules) -> Any:
       shards = math.prod(mesh.shape[a] for a in axes)
       if size % shards:
         raise ShardingError(
-          f"parameter {_path_name(path)} has shape {tuple(variable.shape)}: axis {dim} ({logical[dim]!r}) of size "
+          f"parameter {path_name(path)} has shape {tuple(variable.shape)}: axis {dim} ({logical[dim]!r}) of size "
           f"{size} is not divisible by mesh axes {'×'.join(axes)} = {shards}; change the mesh or the rules"
         )
     return variable.replace(NamedSharding(mesh, spec))

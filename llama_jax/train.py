@@ -38,6 +38,7 @@ from llama_jax.loop import (
   EvalHook,
   Hook,
   MetricsHook,
+  NonFiniteHook,
   PreemptionHook,
   ProfileHook,
   ProgressHook,
@@ -91,10 +92,20 @@ def train_step(
     (loss_sum, weight_sum, grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   denominator = jnp.maximum(weight_sum, 1.0)
   grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, params)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
-  new_state = dict(state, step=state["step"] + 1, params=optax.apply_updates(params, updates), opt_state=opt_state)
+  # A non-finite loss or gradient (a diverging lr, a bad batch) never reaches the state: the step keeps the old
+  # parameters and moments, so no checkpoint can hold NaNs (the loop's NonFiniteHook then stops or skips).
+  finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+  keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+  new_params, opt_state = keep(optax.apply_updates(params, updates), params), keep(opt_state, state["opt_state"])
+  new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state)
   metrics = dict(
-    loss=loss_sum / denominator, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]), tokens=weight_sum
+    loss=loss_sum / denominator,
+    grad_norm=grad_norm,
+    lr=schedule(state["step"]),
+    tokens=weight_sum,
+    nonfinite=(~finite).astype(jnp.int32),
   )
   return new_state, metrics
 
@@ -293,6 +304,7 @@ def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ())
     progress,
     RecordBatchesHook(workdir) if train_cfg.record_batches and is_main else None,
     MetricsHook(writer),
+    NonFiniteHook(train_cfg.on_nonfinite, train_cfg.max_skipped_steps, train_cfg.save_every, checkpointer.latest_step),
     evaluator if train_cfg.eval_every else None,
     CheckpointHook(checkpointer, data_iter.get_state, train_cfg.save_every),
     PreemptionHook(echo if is_main else None),

@@ -5,15 +5,20 @@ after the run's own hooks once step STEP is done. MODE is one of
            final commit (the atomic rename of ``checkpoints/STEP.orbax-checkpoint-tmp-*`` to ``checkpoints/STEP``),
            which is held back until the kill. What a crash mid-save leaves behind, deterministically.
   sigterm  send SIGTERM to the process itself, as a preempting scheduler would.
+  nan      make the loss of step STEP not finite (STEP:N: of N steps from STEP on), through per-token weights of NaN:
+           what a diverging learning rate or a damaged batch does to a step.
 
 Test-only; the production loop knows nothing of it.
 """
 
+import itertools
 import os
 import signal
 import sys
 import threading
 
+import jax
+import numpy as np
 from orbax.checkpoint._src.path import atomicity
 
 from llama_jax import train
@@ -69,8 +74,30 @@ class TerminateAfterStep(Hook):
       os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler in this thread before the next step starts
 
 
+def poison_steps(first: int, count: int) -> None:
+  """Every train step gets per-token weights (1, which changes nothing: the same compiled step throughout), NaN for
+  steps first .. first+count-1 (counted from the first step this process runs)."""
+  original = train.Trainer.train_step
+  steps = itertools.count(1)
+
+  def train_step(self, state, batch):
+    value = np.nan if first <= next(steps) < first + count else 1.0
+    targets = batch["targets"]
+    weights = jax.make_array_from_callback(
+      targets.shape, targets.sharding, lambda index: np.full(targets.shape, value, np.float32)[index]
+    )
+    return original(self, state, {**batch, "weights": weights})
+
+  train.Trainer.train_step = train_step
+
+
 HOOKS = {"sigkill": KillAfterSave, "sigterm": TerminateAfterStep}
 
 if __name__ == "__main__":
   mode, step, *train_flags = sys.argv[1:]
-  train.main([sys.argv[0], *train_flags], hooks=[HOOKS[mode](int(step))])
+  if mode == "nan":
+    first, _, count = step.partition(":")
+    poison_steps(int(first), int(count or 1))
+    train.main([sys.argv[0], *train_flags])
+  else:
+    train.main([sys.argv[0], *train_flags], hooks=[HOOKS[mode](int(step))])
