@@ -6,12 +6,11 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import ROOT, needs_shakespeare
-from tests.test_train import MICRO, read_jsonl
+from tests.test_train import read_jsonl, train_args
 
 pytestmark = needs_shakespeare
 STEPS = ["--config.train.eval_every=0", "--config.train.save_every=100", "--config.train.record_batches=False"]
@@ -24,21 +23,7 @@ def free_port() -> int:
 
 
 def train_command(workdir, tokenizer, steps, *extra):
-  return [
-    sys.executable,
-    "-m",
-    "llama_jax.train",
-    "--config",
-    "configs/tiny.py",
-    "--workdir",
-    str(workdir),
-    f"--config.data.tokenizer={tokenizer}",
-    *MICRO,
-    *STEPS,
-    f"--config.train.steps={steps}",
-    "--config.train.batch_size=8",
-    *extra,
-  ]
+  return train_args(workdir, tokenizer, *STEPS, f"--config.train.steps={steps}", "--config.train.batch_size=8", *extra)
 
 
 def env_with_devices(n: int) -> dict:

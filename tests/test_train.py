@@ -42,8 +42,9 @@ MICRO = [
 ]
 
 
-def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):
-  args = [
+def train_args(workdir, tokenizer, *extra, module=("llama_jax.train",)):
+  """The micro training command: configs/tiny.py shrunk by MICRO, a prepared tokenizer, then `extra` flags."""
+  return [
     sys.executable,
     "-m",
     *module,
@@ -55,6 +56,10 @@ def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_j
     *MICRO,
     *extra,
   ]
+
+
+def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):
+  args = train_args(workdir, tokenizer, *extra, module=module)
   result = subprocess.run(
     args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, **(env or {}))
   )
@@ -234,20 +239,13 @@ def test_sigterm_after_a_step_then_rerun_is_bit_identical(straight_runs, tmp_pat
 def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path, small_tokenizer):
   """A real SIGTERM from another process, while the run trains (towards 100,000 steps)."""
   workdir = tmp_path / "preempted"
-  args = [
-    sys.executable,
-    "-m",
-    "llama_jax.train",
-    "--config",
-    "configs/tiny.py",
-    "--workdir",
-    str(workdir),
-    f"--config.data.tokenizer={small_tokenizer}",
-    *MICRO,
+  args = train_args(
+    workdir,
+    small_tokenizer,
     "--config.train.steps=100000",
     "--config.train.save_every=100000",
     "--config.train.eval_every=0",
-  ]
+  )
   limit_s = 300
   process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   # Whatever happens (a changed log line, a signal that does not stop the run), the process dies within the limit.
