@@ -32,6 +32,7 @@ ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
 DATA_FORMATS = ("text", "chat")
 ON_ERROR = ("skip", "stop")
 NONFINITE_POLICIES = ("stop", "skip")
+QUANTIZE_MODES = ("none", "int8")
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -66,6 +67,9 @@ class ModelConfig:
   remat: str = "none"  # none | full | dots | dots_no_batch
   attention: str = "auto"  # auto (by backend) | xla | chunked | cudnn | splash
   init_std: float = 0.02
+  # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see
+  # quantize.py). For decoding only: made from float weights by quantize.quantize_params; training refuses it.
+  quantize: str = "none"
 
   def __post_init__(self):
     if self.n_kv_heads is None:
@@ -107,6 +111,7 @@ class ModelConfig:
     _check_choice("param_dtype", self.param_dtype, DTYPES)
     _check_choice("remat", self.remat, REMAT_POLICIES)
     _check_choice("attention", self.attention, ATTENTION_IMPLS)
+    _check_choice("quantize", self.quantize, QUANTIZE_MODES)
     if self.rope_scaling == "llama3":
       if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
         raise ConfigError(
@@ -130,7 +135,9 @@ class ModelConfig:
     return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
   def num_params(self) -> int:
-    """Parameter count from the shapes alone (the tests check it against the abstract model)."""
+    """Number of weights from the shapes alone (the tests check it against the abstract float model). The same
+    count whatever the storage: an int8 model holds these weights as int8, plus one float32 scale per output channel
+    of each projection and per embedding row, which are not counted."""
     d, f, h = self.dim, self.hidden_dim, self.head_dim
     attention = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
     layer = attention + 3 * d * f + 2 * d
@@ -444,6 +451,10 @@ class RunConfig:
       _check_type(self, "", name)
     _check_range("seed", self.seed, 0)
     object.__setattr__(self, "logical_axis_rules", _logical_axis_rules(self.logical_axis_rules))
+    if self.model.quantize != "none":
+      raise ConfigError(
+        "model.quantize is for decoding (sample/evaluate --quantize int8); training needs float weights"
+      )
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "

@@ -8,7 +8,9 @@ Axis legend used in every einsum and array name of the package:
 
 Parameters carry logical axis names (see ``config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
 config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
-norms, softmax and logits are computed in float32.
+norms, softmax and logits are computed in float32. An int8 model (``cfg.quantize == "int8"``, for decoding) stores
+the projections and the embedding as int8 with a float32 ``<weight>_scale`` per output channel, applied to each
+product's output by ``project`` (the table of weights and axes is in quantize.py).
 
 RoPE layout: the HF transformers convention (rotate the two *halves* of each head, ``rotate_half``), so HF Llama
 weights load without any permutation. Meta's original checkpoints rotate *interleaved pairs*; their wq/wk rows must be
@@ -26,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from llama_jax import attention as attention_lib
-from llama_jax import sharding
+from llama_jax import quantize, sharding
 from llama_jax.config import ModelConfig
 
 Array = jax.Array
@@ -40,17 +42,38 @@ def _param(rngs: nnx.Rngs, shape, logical_axes, cfg: ModelConfig, init=None) -> 
   return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
 
 
-def project(x: Array, w: Array, *, preferred_element_type=None) -> Array:
-  """x[..., I] · w[I, O...] as one 2-D matrix product, for every projection of the model.
+def _weight(rngs: nnx.Rngs, name: str, shape, logical_axes, cfg: ModelConfig) -> tuple[nnx.Param, nnx.Param | None]:
+  """(weight, None) for a float model; (int8 weight, float32 scale of its output channels) when cfg.quantize is
+  "int8". An int8 model's own initialisation is a placeholder (zeros, scale 1) giving shapes and shardings: its
+  values come from `quantize.quantize_params` of float weights."""
+  if cfg.quantize == "none":
+    return _param(rngs, shape, logical_axes, cfg), None
+  scale_shape, scale_axes = quantize.scale_layout(name, shape, logical_axes)
+  q = nnx.Param(jnp.zeros(shape, jnp.int8), out_sharding=logical_axes, eager_sharding=False)
+  scale = nnx.Param(jnp.ones(scale_shape, jnp.float32), out_sharding=scale_axes, eager_sharding=False)
+  return q, scale
+
+
+def _value(param: nnx.Param | None) -> Array | None:
+  return None if param is None else param[...]
+
+
+def project(x: Array, w: Array, scale: Array | None = None, *, preferred_element_type=None) -> Array:
+  """x[..., I] · w[I, O...] as one 2-D matrix product in x's dtype, for every projection of the model; with an int8
+  model's `scale` [O...], the int8 weight is widened inside the product and the output scaled per channel.
 
   Same numbers as the einsum it replaces (written next to each call), but XLA's CPU backend runs a 2-D dot and its
   weight gradient far faster than the same contraction written over [B, T]: an MLP's forward + backward at B=8,
   T=512, D=512, F=1536 took 416 ms instead of 704 ms. The reshapes are free (contiguous) and keep shardings, since
-  the batch stays the major axis.
+  the batch stays the major axis. Scaling the output is the same math as scaling the weight's output channels, on
+  [B·T, O] values instead of [I, O], and never holds a float copy of the weight. The scale is applied in the
+  output's dtype (float32 for the logits, which accumulate in float32).
   """
   lead_shape, out_shape = x.shape[:-1], w.shape[1:]
-  y = jnp.dot(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1), preferred_element_type=preferred_element_type)
-  return y.reshape(*lead_shape, *out_shape)
+  w_IO = w.reshape(w.shape[0], -1).astype(x.dtype)
+  y = jnp.dot(x.reshape(-1, x.shape[-1]), w_IO, preferred_element_type=preferred_element_type)
+  y = y.reshape(*lead_shape, *out_shape)
+  return y if scale is None else y * scale.astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -112,26 +135,24 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d, n, k, h = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg)
-    self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
-    self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
-    self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg)
+    self.wq, self.wq_scale = _weight(rngs, "wq", (d, n, h), ("embed", "heads", "head_dim"), cfg)
+    self.wk, self.wk_scale = _weight(rngs, "wk", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wv, self.wv_scale = _weight(rngs, "wv", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wo, self.wo_scale = _weight(rngs, "wo", (n, h, d), ("heads", "head_dim", "embed"), cfg)
     self.rope = RotaryEmbedding(cfg)
 
   def _rotated_qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
-    dtype = x_BTD.dtype
-    q_BTNH = project(x_BTD, self.wq[...].astype(dtype))  # BTD,DNH->BTNH
-    k_BTKH = project(x_BTD, self.wk[...].astype(dtype))  # BTD,DKH->BTKH
-    v_BTKH = project(x_BTD, self.wv[...].astype(dtype))  # BTD,DKH->BTKH
+    q_BTNH = project(x_BTD, self.wq[...], _value(self.wq_scale))  # BTD,DNH->BTNH
+    k_BTKH = project(x_BTD, self.wk[...], _value(self.wk_scale))  # BTD,DKH->BTKH
+    v_BTKH = project(x_BTD, self.wv[...], _value(self.wv_scale))  # BTD,DKH->BTKH
     q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
     k_BTKH = sharding.constrain(k_BTKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
     return self.rope(q_BTNH, positions_BT), self.rope(k_BTKH, positions_BT), v_BTKH
 
   def _output(self, out_BTNH: Array) -> Array:
     b, t, n, h = out_BTNH.shape
-    return project(
-      out_BTNH.reshape(b, t, n * h), self.wo[...].astype(out_BTNH.dtype).reshape(n * h, -1)
-    )  # BTNH,NHD->BTD
+    wo_ID = self.wo[...].reshape(n * h, -1)
+    return project(out_BTNH.reshape(b, t, n * h), wo_ID, _value(self.wo_scale))  # BTNH,NHD->BTD
 
   @jax.named_scope("attention")
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
@@ -180,19 +201,18 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f = cfg.dim, cfg.hidden_dim
-    self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg)
-    self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg)
-    self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg)
+    self.w_gate, self.w_gate_scale = _weight(rngs, "w_gate", (d, f), ("embed", "mlp"), cfg)
+    self.w_up, self.w_up_scale = _weight(rngs, "w_up", (d, f), ("embed", "mlp"), cfg)
+    self.w_down, self.w_down_scale = _weight(rngs, "w_down", (f, d), ("mlp", "embed"), cfg)
 
   @jax.named_scope("mlp")
   def __call__(self, x_BTD: Array) -> Array:
-    dtype = x_BTD.dtype
-    gate_BTF = project(x_BTD, self.w_gate[...].astype(dtype))  # BTD,DF->BTF
-    up_BTF = project(x_BTD, self.w_up[...].astype(dtype))  # BTD,DF->BTF
+    gate_BTF = project(x_BTD, self.w_gate[...], _value(self.w_gate_scale))  # BTD,DF->BTF
+    up_BTF = project(x_BTD, self.w_up[...], _value(self.w_up_scale))  # BTD,DF->BTF
     hidden_BTF = sharding.constrain(
       jax.nn.silu(gate_BTF) * up_BTF, ("activation_batch", "activation_length", "activation_mlp")
     )
-    return project(hidden_BTF, self.w_down[...].astype(dtype))  # BTF,FD->BTD
+    return project(hidden_BTF, self.w_down[...], _value(self.w_down_scale))  # BTF,FD->BTD
 
 
 class Block(nnx.Module):
@@ -287,7 +307,7 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
+    self.embed, self.embed_scale = _weight(rngs, "embed", (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
 
     # One Block whose every parameter has a leading "layers" axis, so the forward pass is a single scan.
     @nnx.split_rngs(splits=cfg.n_layers)
@@ -300,7 +320,11 @@ class Llama(nnx.Module):
     else:
       self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
-    self.lm_head = None if cfg.tie_embeddings else _param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
+    self.lm_head, self.lm_head_scale = (
+      (None, None)
+      if cfg.tie_embeddings
+      else _weight(rngs, "lm_head", (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
+    )
 
   @property
   def stacked(self) -> bool:
@@ -375,14 +399,20 @@ class Llama(nnx.Module):
     return self._logits(x_BTD), new_cache
 
   def _embed(self, tokens_BT: Array) -> Array:
-    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    dtype = jnp.dtype(self.cfg.dtype)
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
+    if self.embed_scale is not None:
+      # Only the gathered rows are widened: the per-row scale is the same one the tied head applies per vocab entry.
+      x_BTD = x_BTD * jnp.take(self.embed_scale[...], tokens_BT, axis=0)[..., None].astype(dtype)
     return sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
   def _logits(self, x_BTD: Array) -> Array:
     x_BTD = self.final_norm(x_BTD)
-    dtype = x_BTD.dtype
-    head_DV = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    logits_BTV = project(x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)  # BTD,DV->BTV
+    if self.lm_head is None:
+      head_DV, head_scale_V = self.embed[...].T, _value(self.embed_scale)
+    else:
+      head_DV, head_scale_V = self.lm_head[...], _value(self.lm_head_scale)
+    logits_BTV = project(x_BTD, head_DV, head_scale_V, preferred_element_type=jnp.float32)  # BTD,DV->BTV
     return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
 
 
