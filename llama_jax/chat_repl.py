@@ -8,7 +8,14 @@ import sys
 import numpy as np
 
 from llama_jax import chat
-from llama_jax.sample import SampleError, Sampler, SamplingConfig, load_sampler, sampling_from_args
+from llama_jax.sample import (
+  SampleError,
+  Sampler,
+  SamplingConfig,
+  report_placement,
+  sampler_from_args,
+  sampling_from_args,
+)
 
 
 class TextStream:
@@ -84,12 +91,13 @@ def _interactive_turns():
 def main(args) -> None:
   """``--chat`` of the sample CLI: `args` are its parsed flags."""
   sampling = sampling_from_args(args)
-  sampler, tokenizer = load_sampler(args.checkpoint)
+  sampler, tokenizer = sampler_from_args(args)
   if args.max_new_tokens >= sampler.cfg.max_seq_len:
     raise SampleError(
       f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
       f"max_seq_len {sampler.cfg.max_seq_len}; use at most {sampler.cfg.max_seq_len // 2}"
     )
+  report_placement(sampler)
   interactive = sys.stdin.isatty()
   chat_session(
     sampler,

@@ -106,8 +106,12 @@ def read_model_config(directory: str) -> ModelConfig:
   return ModelConfig.from_dict(json.loads(path.read_text()))
 
 
-def load_params(directory: str, step: int | None = None, shardings: Any = None) -> tuple[ModelConfig, Any]:
-  """(model config, params) of the latest (or given) complete step of a checkpoint directory."""
+def load_params(
+  directory: str, step: int | None = None, shardings: Any = None, dtype: str | None = None
+) -> tuple[ModelConfig, Any]:
+  """(model config, params) of the latest (or given) complete step of a checkpoint directory, each array restored
+  straight into its sharding (default: the first local device) and, with `dtype`, cast as it is read (a bf16
+  restore of float32 weights never holds them in float32). The returned config is the stored one."""
   cfg = read_model_config(directory)
   manager = _manager(directory, create=False) if (epath.Path(directory) / STEPS_DIR).is_dir() else None
   steps = manager.all_steps() if manager else []
@@ -119,7 +123,7 @@ def load_params(directory: str, step: int | None = None, shardings: Any = None) 
   from llama_jax import sharding  # checkpoint sits below the model; the restore target needs its shapes
   from llama_jax.model import Llama
 
-  _, target = sharding.abstract_params(Llama, cfg)
+  _, target = sharding.abstract_params(Llama, cfg if dtype is None else cfg.replace(param_dtype=dtype))
   if shardings is None:
     # Without shardings orbax would need the saving topology; place everything on the first local device.
     device = jax.local_devices()[0]

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax import checkpoint as checkpoint_lib
 from llama_jax import data as data_lib
-from llama_jax import sharding
+from llama_jax import inference, sharding
 from llama_jax.cli import ArgumentParser
-from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES
+from llama_jax.distributed import maybe_initialize_distributed
 from llama_jax.errors import exit_with_error, run_or_exit
 from llama_jax.loss import eval_step, summarize_eval
 from llama_jax.model import Llama
@@ -44,8 +44,13 @@ def evaluate(
   batch_size: int = 0,
   max_batches: int = 0,
   text_field: str = "text",
+  mesh: Mesh | None = None,
+  dtype: str | None = None,
+  quantize: str = "none",
 ) -> dict[str, float]:
-  """Metrics of the latest checkpoint step on `sources` (or the run's validation split)."""
+  """Metrics of the latest checkpoint step on `sources` (or the run's validation split), with the weights placed
+  as for decoding (``inference``: split over `tensor`, windows over `data`; default one device), cast to `dtype`
+  and quantized as asked, so a loss measures exactly the weights the sampler would decode with."""
   model_cfg = checkpoint_lib.read_model_config(checkpoint_dir)
   tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   if not os.path.isfile(tokenizer_path):
@@ -68,10 +73,14 @@ def evaluate(
       f"the evaluation text has fewer than {seq_len + 1} tokens; pass more text or a smaller --seq_len"
     )
 
-  rules = DEFAULT_LOGICAL_AXIS_RULES
-  mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
-  graphdef, abstract_params = sharding.abstract_params(Llama, model_cfg, mesh, rules)
-  _, params = checkpoint_lib.load_params(checkpoint_dir, shardings=sharding.shardings_of(abstract_params))
+  mesh = mesh if mesh is not None else inference.decode_mesh(devices=jax.local_devices()[:1])
+  if batch_size % mesh.shape["data"]:
+    raise inference.InferenceError(
+      f"batch_size {batch_size} must be a multiple of the mesh's data axis {mesh.shape['data']}"
+    )
+  model_cfg, params = inference.load_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize, stacked=True)
+  rules = inference.decode_rules(model_cfg, mesh)
+  graphdef = sharding.abstract_params(Llama, model_cfg)[0]
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", "activation_length"), rules))
   step = jax.jit(functools.partial(eval_step, graphdef=graphdef), out_shardings=replicated)
@@ -97,12 +106,24 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--batch_size", type=int, default=0, help="windows per batch (default: the run's batch_size)")
   parser.add_argument("--max_batches", type=int, default=0, help="0: the whole text")
   parser.add_argument("--text_field", default="text", help="JSONL field holding the text")
+  inference.add_model_flags(parser)
   args = parser.parse_args(argv)
   for name in ("seq_len", "batch_size", "max_batches"):
     if getattr(args, name) < 0:
       exit_with_error(f"--{name} must be ≥ 0, got {getattr(args, name)}")
+  maybe_initialize_distributed()
+  mesh = run_or_exit(inference.decode_mesh, args.mesh)
   metrics = run_or_exit(
-    evaluate, args.checkpoint, args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field
+    evaluate,
+    args.checkpoint,
+    args.data,
+    args.seq_len,
+    args.batch_size,
+    args.max_batches,
+    args.text_field,
+    mesh,
+    args.dtype,
+    args.quantize,
   )
   print(
     f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | bits/byte "

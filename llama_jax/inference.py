@@ -27,31 +27,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax import checkpoint, sharding
-from llama_jax.config import DTYPES, ModelConfig
+from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES, DTYPES, QUANTIZE_MODES, ModelConfig
 from llama_jax.errors import LlamaJaxError
 from llama_jax.model import Llama
 
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = QUANTIZE_MODES
 
-# Logical axis → mesh axis for decoding (see the module docstring). "vocab" and "kv_heads" are adjusted per model in
-# `decode_rules`; "embed" is never split, so no weight is gathered per token.
-DECODE_RULES = (
-  ("vocab", "tensor"),
-  ("embed", None),
-  ("heads", "tensor"),
-  ("kv_heads", "tensor"),
-  ("head_dim", None),
-  ("mlp", "tensor"),
-  ("norm", None),
-  ("layers", None),
-  ("activation_batch", "data"),
-  ("activation_length", None),
-  ("activation_embed", None),
-  ("activation_heads", "tensor"),
-  ("activation_kv_heads", "tensor"),
-  ("activation_mlp", "tensor"),
-  ("activation_vocab", "tensor"),
-)
+# Logical axis → mesh axis for decoding: the training rules (tensor over heads, kv heads, MLP and vocabulary) except
+# that "embed" is never split (no weight is gathered per token) and batch rows go over `data` alone. "vocab" and
+# "kv_heads" are adjusted per model in `decode_rules`.
+DECODE_RULES = tuple({**dict(DEFAULT_LOGICAL_AXIS_RULES), "embed": None, "activation_batch": "data"}.items())
 
 # Logical axes of the decode state: the cache by batch row and kv head; the small per-row arrays replicated, so every
 # process reads the emitted tokens without a gather of its own.
@@ -80,9 +65,26 @@ def parse_mesh(text: str) -> dict[str, int]:
   return out
 
 
+def add_model_flags(parser) -> None:
+  """--mesh, --dtype, --quantize: how a checkpoint is placed for decoding (sample, chat, evaluate)."""
+  parser.add_argument(
+    "--mesh",
+    help="decode mesh, e.g. data=1,tensor=-1 (default: every device on tensor; weights split over tensor, "
+    "batch rows over data)",
+  )
+  parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (and compute) to this dtype at load")
+  parser.add_argument(
+    "--quantize",
+    choices=QUANTIZE_CHOICES,
+    default="none",
+    help="int8: weight-only int8 with per-output-channel scales (memory; slower on CPU)",
+  )
+
+
 def decode_mesh(mesh: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
   """The (data, fsdp, tensor) decode mesh over `devices` (default: all). Default layout: every device on `tensor`
-  when there is more than one. fsdp must stay 1: gathering weights per token is what decoding avoids."""
+  when there is more than one; an explicit mesh of fewer devices takes the first ones (single process). fsdp must
+  stay 1: gathering weights per token is what decoding avoids."""
   devices = list(jax.devices() if devices is None else devices)
   spec = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {"tensor": -1})
   if spec.get("fsdp", 1) != 1:
@@ -92,8 +94,12 @@ def decode_mesh(mesh: str | Mapping[str, int] | None = None, devices=None) -> Me
     )
   if spec.get("data", 1) != -1 and "tensor" not in spec:
     spec["tensor"] = -1
+  sizes = {"data": 1, "fsdp": 1, "tensor": 1, **spec}
+  wanted = math.prod(sizes.values())
+  if -1 not in sizes.values() and 0 < wanted < len(devices) and jax.process_count() == 1:
+    devices = devices[:wanted]  # a smaller explicit mesh (tensor=1: one device) uses the first devices
   try:
-    return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, **spec}, devices)
+    return sharding.make_mesh(sizes, devices)
   except sharding.ShardingError as e:
     raise InferenceError(str(e)) from None
 
@@ -172,7 +178,8 @@ def place_params(
   mesh_devices = set(mesh.devices.flat)
 
   def layer_leaf(path: tuple, leaf: Any, layer: int | None, target: jax.ShapeDtypeStruct):
-    repeat_axis = -2 if path[-1] in ("wk", "wv") and repeats > 1 else None  # [..., D, K, H]: K is axis -2
+    # K is axis -2 of wk, wv [..., D, K, H] and of their int8 scales [..., K, H].
+    repeat_axis = -2 if path[-1] in ("wk", "wv", "wk_scale", "wv_scale") and repeats > 1 else None
     if isinstance(leaf, jax.Array) and leaf.sharding.device_set == mesh_devices:
       if layer is None and repeat_axis is None and leaf.dtype == target.dtype:
         if leaf.sharding.is_equivalent_to(target.sharding, leaf.ndim):
@@ -242,18 +249,32 @@ def _transform(leaf, layer, repeat_axis, repeats, target):
 
 
 def load_params(
-  checkpoint_dir: str, mesh: Mesh, *, dtype: str | None = None, quantize: str = "none", step: int | None = None
+  checkpoint_dir: str,
+  mesh: Mesh,
+  *,
+  dtype: str | None = None,
+  quantize: str = "none",
+  step: int | None = None,
+  stacked: bool = False,
 ) -> tuple[ModelConfig, Any]:
-  """(decode config, params in their decode shardings) of a checkpoint directory: restored by orbax straight into
-  shards of the stacked layout (cast to `dtype` on the way in: no float32 copy of bf16 weights), then unstacked,
-  kv-repeated and quantized leaf by leaf with each stacked leaf freed once used."""
+  """(model config, params on `mesh`) of a checkpoint directory: restored by orbax straight into shards of the
+  stacked layout under the decode rules (cast to `dtype` on the way in: no float32 copy of bf16 weights). For the
+  sampler (default) they are then unstacked, kv-repeated and quantized leaf by leaf, each stacked leaf freed once
+  used; `stacked` keeps the stored layout (the full forward of evaluation) and only quantizes."""
   cfg = checkpoint.read_model_config(checkpoint_dir)
   decode_config(cfg, mesh, dtype, quantize)  # refuse a bad mesh, dtype or mode before reading anything
   stored_cfg = cfg if dtype is None else cfg.replace(param_dtype=dtype, dtype=dtype)
   rules = decode_rules(cfg, mesh)
   _, target = sharding.abstract_params(Llama, stored_cfg, mesh, rules)
   _, params = checkpoint.load_params(checkpoint_dir, step=step, shardings=sharding.shardings_of(target), dtype=dtype)
-  return place_params(stored_cfg, params, mesh, quantize=quantize, donate=True)
+  if not stacked:
+    return place_params(stored_cfg, params, mesh, quantize=quantize, donate=True)
+  if quantize == "int8":
+    from llama_jax import quantize as quantize_lib
+
+    int8_target = sharding.abstract_params(Llama, stored_cfg.replace(quantize="int8"), mesh, rules)[1]
+    return quantize_lib.quantize_params(params, stored_cfg, shardings=sharding.shardings_of(int8_target))
+  return stored_cfg, params
 
 
 def per_device_bytes(tree: Any) -> int:

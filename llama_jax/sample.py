@@ -23,12 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from llama_jax import checkpoint
+from llama_jax import checkpoint, inference, sharding
 from llama_jax.cli import ArgumentParser
 from llama_jax.config import ModelConfig
+from llama_jax.distributed import is_main_process, maybe_initialize_distributed
 from llama_jax.errors import LlamaJaxError, run_or_exit
-from llama_jax.model import KVCache, Llama, unstack_layers
+from llama_jax.model import KVCache, Llama
 from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 MIN_BUCKET = 16
@@ -98,7 +100,7 @@ def prefill(
   prompts_BP: jax.Array,
   lengths_B: jax.Array,
   cache: KVCache,
-  rng: jax.Array,
+  seed: jax.Array,
   *,
   graphdef: nnx.GraphDef,
   sampling: SamplingConfig,
@@ -112,17 +114,19 @@ def prefill(
   segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
   logits_BPV, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP)
   last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  rng, step_rng = jax.random.split(rng)
+  rng, step_rng = jax.random.split(jax.random.key(seed))
   token_B = next_token(last_BV, step_rng, sampling)
   tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
-  return DecodeState(
-    cache=cache,
-    token=token_B,
-    position=lengths_B.astype(jnp.int32),
-    done=jnp.isin(token_B, jnp.asarray(stop_ids)),
-    rng=rng,
-    step=jnp.ones((), jnp.int32),
-    tokens=tokens,
+  return _constrained(
+    DecodeState(
+      cache=cache,
+      token=token_B,
+      position=lengths_B.astype(jnp.int32),
+      done=jnp.isin(token_B, jnp.asarray(stop_ids)),
+      rng=rng,
+      step=jnp.ones((), jnp.int32),
+      tokens=tokens,
+    )
   )
 
 
@@ -151,17 +155,38 @@ def decode(
     token_B = next_token(logits_B1V[:, 0], step_rng, sampling)
     token_B = jnp.where(s.done, pad_id, token_B)  # finished rows no longer change
     tokens = jax.lax.dynamic_update_slice(s.tokens, token_B[:, None], (0, s.step))
-    return DecodeState(
-      cache=cache,
-      token=token_B,
-      position=s.position + 1,
-      done=s.done | jnp.isin(token_B, stop),
-      rng=rng,
-      step=s.step + 1,
-      tokens=tokens,
+    return _constrained(
+      DecodeState(
+        cache=cache,
+        token=token_B,
+        position=s.position + 1,
+        done=s.done | jnp.isin(token_B, stop),
+        rng=rng,
+        step=s.step + 1,
+        tokens=tokens,
+      )
     )
 
   return jax.lax.while_loop(cond, body, state)
+
+
+def _constrained(state: DecodeState) -> DecodeState:
+  """The decode state in its shardings (under a mesh and rules; a no-op otherwise): the cache split by batch row
+  and kv head, everything else (a few ints per row) replicated, so any process can read the emitted tokens and the
+  loop condition needs no gather."""
+  kv = [sharding.constrain(a, inference.CACHE_KV_AXES) for a in (*state.cache.k, *state.cache.v)]
+  n = len(state.cache.k)
+  cache = KVCache(
+    k=tuple(kv[:n]),
+    v=tuple(kv[n:]),
+    positions=sharding.constrain(state.cache.positions, inference.CACHE_POSITIONS_AXES),
+    index=state.cache.index,
+  )
+  small = {
+    name: sharding.constrain(getattr(state, name), (None,) * getattr(state, name).ndim)
+    for name in ("token", "position", "done", "tokens")
+  }
+  return DecodeState(cache=cache, rng=state.rng, step=state.step, **small)
 
 
 def bucket_length(n: int, limit: int) -> int:
@@ -173,13 +198,45 @@ def bucket_length(n: int, limit: int) -> int:
 
 
 class Sampler:
-  """Compiled prefill and decode for one model; compiled programs are cached per (batch, bucket, sampling, length)."""
+  """Compiled prefill and decode for one model on one mesh; programs are cached per (sampling, length, stops).
 
-  def __init__(self, cfg: ModelConfig, params: Any, eos_id: int, pad_id: int | None = None):
+  `params` are the model's in either layout, anywhere (host numpy, one device, or already sharded); they are placed
+  in the decoding layout with the decode shardings of `mesh` (see ``inference``; default: one device), cast to
+  `dtype` and quantized as asked. `donate` frees the given arrays as they are placed (loading from a checkpoint).
+  """
+
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    params: Any,
+    eos_id: int,
+    pad_id: int | None = None,
+    *,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    quantize: str = "none",
+    donate: bool = False,
+  ):
+    self.mesh = mesh if mesh is not None else inference.decode_mesh(devices=jax.local_devices()[:1])
     # Decoding runs the layers as separate modules, each reading its own weight buffers in place.
-    self.cfg, self.params, self.eos_id = cfg, unstack_layers(params), eos_id
+    self.cfg, self.params = inference.place_params(
+      cfg, params, self.mesh, dtype=dtype, quantize=quantize, donate=donate
+    )
+    self.rules = inference.decode_rules(self.cfg, self.mesh)
+    self.eos_id = eos_id
     self.pad_id = eos_id if pad_id is None or pad_id < 0 else pad_id
-    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
+    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(self.cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
+
+  def weight_bytes_per_device(self) -> int:
+    return inference.per_device_bytes(self.params)
+
+  def cache_bytes_per_device(self, batch: int, length: int) -> int:
+    return inference.cache_bytes_per_device(self.cfg, self.mesh, self._rows(batch), length)
+
+  def _rows(self, batch: int) -> int:
+    """Rows actually decoded: the batch padded to a multiple of the data axis (extra rows repeat the first)."""
+    data = self.mesh.shape["data"]
+    return -(-batch // data) * data
 
   # Cached per sampler (the cache holding `self` is intended: a sampler lives as long as its compiled programs).
   @functools.lru_cache(maxsize=32)  # noqa: B019
@@ -195,6 +252,18 @@ class Sampler:
       donate_argnums=(1,),
     )
     return prefill_fn, decode_fn
+
+  def empty_cache(self, batch: int, length: int) -> KVCache:
+    """A KV cache of `batch` rows and `length` slots created directly in its shards."""
+    shardings = inference.cache_shardings(self.mesh, self.rules)
+    per_layer = tuple(shardings["kv"] for _ in range(self.cfg.n_layers))
+    out = KVCache(k=per_layer, v=per_layer, positions=shardings["positions"], index=shardings["index"])
+    return jax.jit(lambda: KVCache.empty(self.cfg, batch, length, per_layer=True), out_shardings=out)()
+
+  def _put(self, host: np.ndarray, spec: PartitionSpec) -> jax.Array:
+    """A host array (the same on every process) as a global array split by `spec`."""
+    target = NamedSharding(self.mesh, spec)
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
   def generate(
     self,
@@ -213,25 +282,36 @@ class Sampler:
     """
     self.validate(prompts, max_new_tokens)
     stops = tuple(sorted({self.eos_id, *stop_ids}))
+    n_prompts = len(prompts)
+    prompts = list(prompts) + [prompts[0]] * (self._rows(n_prompts) - n_prompts)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     bucket = bucket_length(int(lengths.max()), self.cfg.max_seq_len - max_new_tokens)
     padded = np.full((len(prompts), bucket), self.pad_id, np.int32)
     for row, prompt in enumerate(prompts):
       padded[row, : len(prompt)] = prompt
     prefill_fn, decode_fn = self._compiled(sampling, max_new_tokens, stops)
-    cache = KVCache.empty(self.cfg, len(prompts), bucket + max_new_tokens, per_layer=True)
-    state = prefill_fn(self.params, jnp.asarray(padded), jnp.asarray(lengths), cache, jax.random.key(seed))
-    emitted = 0
-    while True:
-      step = int(state.step)
-      if on_tokens is not None and step > emitted:
-        on_tokens(np.asarray(state.tokens[:, emitted:step]), np.asarray(state.done))
-      emitted = step
-      if step >= max_new_tokens or bool(np.all(np.asarray(state.done))):
-        break
-      until = max_new_tokens if not chunk else min(step + chunk, max_new_tokens)
-      state = decode_fn(self.params, state, jnp.asarray(until, jnp.int32))
-    tokens = np.asarray(state.tokens[:, :emitted])
+    rows = sharding.logical_to_spec(("activation_batch",), self.rules)
+    with sharding.activate(self.mesh, self.rules):
+      cache = self.empty_cache(len(prompts), bucket + max_new_tokens)
+      state = prefill_fn(
+        self.params,
+        self._put(padded, PartitionSpec(*rows, None)),
+        self._put(lengths, rows),
+        cache,
+        self._put(np.asarray(seed, np.uint32), PartitionSpec()),
+      )
+      emitted = 0
+      while True:
+        step = int(state.step)
+        done = np.asarray(state.done)[:n_prompts]
+        if on_tokens is not None and step > emitted:
+          on_tokens(np.asarray(state.tokens[:n_prompts, emitted:step]), done)
+        emitted = step
+        if step >= max_new_tokens or bool(np.all(np.asarray(state.done))):
+          break
+        until = max_new_tokens if not chunk else min(step + chunk, max_new_tokens)
+        state = decode_fn(self.params, state, self._put(np.asarray(until, np.int32), PartitionSpec()))
+    tokens = np.asarray(state.tokens[:n_prompts, :emitted])
     return [_until_stop(row, stops) for row in tokens]
 
   def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -260,15 +340,39 @@ def _until_stop(tokens: np.ndarray, stops: tuple[int, ...]) -> list[int]:
   return out
 
 
-def load_sampler(checkpoint_dir: str) -> tuple[Sampler, Tokenizer]:
-  """A Sampler and the tokenizer of a checkpoint directory (from training or from convert --from_hf)."""
+def load_sampler(
+  checkpoint_dir: str, mesh: Mesh | None = None, dtype: str | None = None, quantize: str = "none"
+) -> tuple[Sampler, Tokenizer]:
+  """A Sampler and the tokenizer of a checkpoint directory (from training or conversion), its weights restored
+  straight into their decode shardings on `mesh` (default: one device), cast to `dtype`, quantized as asked."""
   cfg = checkpoint.read_model_config(checkpoint_dir)
   tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   if not os.path.isfile(tokenizer_path):
     raise checkpoint.CheckpointError(f"{checkpoint_dir!r} has no {TOKENIZER_FILE}; sampling needs one")
-  _, params = checkpoint.load_params(checkpoint_dir)
   tokenizer = Tokenizer(tokenizer_path)
-  return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id), tokenizer
+  mesh = mesh if mesh is not None else inference.decode_mesh(devices=jax.local_devices()[:1])
+  cfg, params = inference.load_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize)
+  return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh), tokenizer
+
+
+def sampler_from_args(args) -> tuple[Sampler, Tokenizer]:
+  """The sampler the CLI flags ask for, on every device of every process (multi-host: same command everywhere)."""
+  maybe_initialize_distributed()
+  mesh = inference.decode_mesh(args.mesh)
+  return load_sampler(args.checkpoint, mesh, args.dtype, args.quantize)
+
+
+def report_placement(sampler: Sampler) -> None:
+  """One line on stderr (process 0): the decode mesh and the weight bytes each device holds."""
+  if not is_main_process():
+    return
+  mesh = sampler.mesh
+  kind = sampler.cfg.param_dtype + (" + int8" if sampler.cfg.quantize == "int8" else "")
+  print(
+    f"decoding on mesh {dict(mesh.shape)} of {mesh.devices.size} {mesh.devices.flat[0].platform} device(s): "
+    f"{sampler.weight_bytes_per_device() / 2**20:.1f} MiB of weights ({kind}) per device",
+    file=sys.stderr,
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
   parser.add_argument("--top_p", type=float, default=0.95, help="nucleus: smallest set with this mass (1 = off)")
   parser.add_argument("--seed", type=int, default=0)
+  inference.add_model_flags(parser)
   parser.add_argument(
     "--chat",
     action="store_true",
@@ -335,15 +440,18 @@ def _complete_prompts(args) -> None:
 
   sampling = sampling_from_args(args)
   prompts = _read_prompts(args)
-  sampler, tokenizer = load_sampler(args.checkpoint)
+  sampler, tokenizer = sampler_from_args(args)
   encoded = [tokenizer.encode(p, bos=True) for p in prompts]
   sampler.validate(encoded, args.max_new_tokens)
+  report_placement(sampler)
   if args.stream == "yes" or (args.stream == "auto" and sys.stdout.isatty() and len(prompts) == 1):
     printer = TextStream(tokenizer, encoded[0], {tokenizer.eos_id})
     sampler.generate(encoded, args.max_new_tokens, sampling, args.seed, chunk=8, on_tokens=printer)
     sys.stdout.write("\n")
     return
   outputs = sampler.generate(encoded, args.max_new_tokens, sampling, args.seed)
+  if not is_main_process():
+    return  # every process of a multi-host run decodes the same batch; one prints it
   for prompt_ids, output in zip(encoded, outputs):
     if len(prompts) > 1:
       print("-" * 40)
