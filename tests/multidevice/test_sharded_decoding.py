@@ -80,6 +80,20 @@ def test_sharded_greedy_decoding_equals_one_device_and_splits_weights_and_cache(
   assert sampler.weight_bytes_per_device() == (split // tensor + norms) * 4
 
 
+def test_int8_on_a_mesh_with_repeated_kv_heads_equals_int8_on_one_device():
+  """Quantized after the kv heads are repeated: the scales of wk and wv repeat with them."""
+  cfg = BASE.replace(n_kv_heads=2)
+  params = random_params(cfg)
+  one = Sampler(cfg, params, eos_id=-1, quantize="int8")
+  mesh = inference.decode_mesh("tensor=4", jax.devices()[:4])
+  sharded = Sampler(cfg, params, eos_id=-1, mesh=mesh, quantize="int8")
+  assert sharded.cfg.quantize == "int8" and sharded.cfg.n_kv_heads == 4
+  assert sharded.params["layers"][0]["attention"]["wk_scale"].sharding.spec == P("tensor", None)
+  assert sharded.generate(PROMPTS, 16) == one.generate(PROMPTS, 16)
+  float_bytes = Sampler(cfg, params, eos_id=-1, mesh=mesh).weight_bytes_per_device()
+  assert sharded.weight_bytes_per_device() < float_bytes / 3
+
+
 def test_decoding_is_one_while_loop_call_with_its_all_reduces_inside():
   """No per-token host round trip: a generation is the prefill and one call of the loop program, which holds the
   tensor-parallel all-reduces and gathers no weight."""
