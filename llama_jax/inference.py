@@ -213,7 +213,7 @@ def place_params(
 
     int8_cfg = out_cfg.replace(quantize="int8")
     shardings = sharding.shardings_of(decode_targets(int8_cfg, mesh))
-    out_cfg, placed = quantize_lib.quantize_params(placed, out_cfg, shardings=shardings)
+    out_cfg, placed = quantize_lib.quantize_params(placed, out_cfg, shardings=shardings, donate=True)
   return out_cfg, placed
 
 

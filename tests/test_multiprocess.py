@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 import subprocess
+import sys
 
 import pytest
 
@@ -120,3 +121,56 @@ def test_two_processes_train_like_one_and_a_single_process_resumes(tmp_path, sma
   run_one_process(one, small_tokenizer, 8)
   for step in (6, 7, 8):
     assert losses(two)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+
+
+def test_two_processes_decode_one_mesh_like_one_process(tmp_path, small_tokenizer):
+  """`sample` run as the same command in two processes (4 devices each) decodes on one tensor=8 mesh across both,
+  and prints what one process with 8 devices prints; only process 0 prints."""
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from llama_jax import checkpoint
+  from llama_jax.config import ModelConfig
+  from llama_jax.model import Llama
+
+  cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, multiple_of=32, max_seq_len=128)
+  params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(5))))
+  directory = str(tmp_path / "model")
+  checkpoint.save_params_dir(directory, cfg, jax.tree.map(np.asarray, params), tokenizer_path=small_tokenizer)
+  command = [
+    sys.executable,
+    "-m",
+    "llama_jax.sample",
+    "--checkpoint",
+    directory,
+    "--prompt",
+    "Shall I",
+    "--prompt",
+    "To",
+  ]
+  command += ["--temperature", "0", "--max_new_tokens", "10", "--mesh", "tensor=8"]
+  single = subprocess.run(command, cwd=ROOT, env=env_with_devices(8), capture_output=True, text=True, timeout=600)
+  assert single.returncode == 0, single.stderr[-3000:]
+  address = f"localhost:{free_port()}"
+  procs = [
+    subprocess.Popen(
+      command,
+      cwd=ROOT,
+      env=dict(env_with_devices(4), JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outputs = [proc.communicate(timeout=600) for proc in procs]
+  for proc, (out, err) in zip(procs, outputs):
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+  # Gloo (the CPU collectives library) prints its connection lines on stdout itself; the rest is the sampler's.
+  printed = [
+    "".join(line for line in out.splitlines(keepends=True) if not line.startswith("[Gloo]")) for out, _ in outputs
+  ]
+  assert printed[0] == single.stdout and single.stdout.count("-" * 40) == 2
+  assert printed[1] == ""
+  assert "of 8 cpu device(s)" in outputs[0][1]
