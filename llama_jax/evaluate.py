@@ -1,6 +1,7 @@
 """Evaluate a checkpoint directory: loss, perplexity and bits per byte.
 
     python -m llama_jax.evaluate --checkpoint DIR [--data PATHS ...] [--seq_len N] [--batch_size N]
+        [--mesh data=1,tensor=-1] [--dtype bfloat16] [--quantize int8]
 
 Without --data, the run's own validation split (prepared in the workdir) is used. The checkpoint directory is all
 that is needed otherwise: model config, tokenizer and parameters come from it.

@@ -2,6 +2,10 @@
 
     python -m llama_jax.sample --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--prompt_file F]
         [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]
+        [--mesh data=1,tensor=-1] [--dtype bfloat16] [--quantize int8]
+
+On a mesh (``inference``), weights are split over `tensor` and batch rows over `data`; the batch is padded to a
+multiple of `data` with copies of the first prompt, whose outputs are dropped.
 
 Batched prompts are right-padded to a bucket length (powers of two from 16, so a new prompt length rarely
 recompiles); padding is stored in the cache as empty slots, and each row continues from its own length with its own
