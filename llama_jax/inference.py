@@ -180,6 +180,14 @@ def place_params(
   def layer_leaf(path: tuple, leaf: Any, layer: int | None, target: jax.ShapeDtypeStruct):
     # K is axis -2 of wk, wv [..., D, K, H] and of their int8 scales [..., K, H].
     repeat_axis = -2 if path[-1] in ("wk", "wv", "wk_scale", "wv_scale") and repeats > 1 else None
+    shape = list(leaf.shape[1:] if layer is not None else leaf.shape)
+    if repeat_axis is not None and shape:
+      shape[repeat_axis] *= repeats
+    if tuple(shape) != target.shape or (layer is not None and leaf.shape[0] != n_layers):
+      raise InferenceError(
+        f"parameter {'/'.join(map(str, path))} has shape {tuple(leaf.shape)}, which does not fit the model "
+        f"config (expected {target.shape}{f' for each of {n_layers} layers' if layer is not None else ''})"
+      )
     if isinstance(leaf, jax.Array) and leaf.sharding.device_set == mesh_devices:
       if layer is None and repeat_axis is None and leaf.dtype == target.dtype:
         if leaf.sharding.is_equivalent_to(target.sharding, leaf.ndim):
@@ -194,6 +202,9 @@ def place_params(
   flat_targets = dict(_flatten(targets))
   placed: dict[tuple, Any] = {}
   for path, leaf in _flatten(params):
+    known = path if path[0] != "layers" or not stacked else ("layers", 0, *path[1:])
+    if known not in flat_targets:
+      raise InferenceError(f"parameter {'/'.join(map(str, path))} is not part of a model with this config")
     if path[0] != "layers":
       placed[path] = layer_leaf(path, leaf, None, flat_targets[path])
     elif stacked:

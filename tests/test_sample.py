@@ -234,3 +234,21 @@ def test_cli_missing_or_incomplete_checkpoint(tmp_path):
   (tmp_path / "ckpt" / checkpoint.TOKENIZER_FILE).write_bytes(b"")
   result = run_sample("--checkpoint", str(tmp_path / "ckpt"), "--prompt", "x")
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+  "change,message",
+  [
+    (dict(dim=32), "parameter embed has shape (256, 64), which does not fit the model config (expected (256, 32))"),
+    (dict(tie_embeddings=True), "parameter lm_head is not part of a model with this config"),
+    (dict(n_layers=3), "does not fit the model config (expected (64, 4, 16) for each of 3 layers)"),
+  ],
+)
+def test_sampler_refuses_params_that_do_not_fit_the_config(change, message):
+  """A dynamic layer index would clamp silently (3 layers from 2 stacked ones): shapes are checked first."""
+  from llama_jax.inference import InferenceError
+
+  cfg = CONFIGS["mha"]
+  with pytest.raises(InferenceError) as error:
+    Sampler(cfg.replace(**change), random_params(cfg), eos_id=-1)
+  assert message in str(error.value)
