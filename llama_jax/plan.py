@@ -3,6 +3,9 @@ and collectives per device.
 
     python -m llama_jax.plan --config configs/tpu_v4.py --devices 16 [--hbm_gib 32] [--config.a.b=v]
     python -m llama_jax.plan --config configs/tpu_v4.py --topology v4-32 [--slices N] [--json F]
+    python -m llama_jax.plan --decode --config configs/llama2_7b.py --devices 1 --batch 8 --max_len 4096 [...]
+
+With ``--decode`` the plan is of decoding instead (the Sampler's prefill and decode loop; see ``plan_decode``).
 
 The state and batch are abstract (shapes, dtypes and shardings), the step is lowered and compiled, and the compiled
 program's memory analysis gives per-device bytes; its HLO gives the collectives per step (``hlo.summarize``).
@@ -123,7 +126,7 @@ class Plan:
     return self.peak_bytes <= hbm_gib * GIB
 
 
-def _device_bytes(abstract_tree: Any) -> int:
+def device_bytes(abstract_tree: Any) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard of each array)."""
   total = 0
   for leaf in jax.tree.leaves(abstract_tree):
@@ -179,9 +182,9 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
     compiler="TPU compiler" if platform == "tpu" else f"XLA:{platform.upper()} estimate",
     n_params=model_cfg.num_params(),
     attention=attention,
-    params_bytes=_device_bytes(state["params"]),
-    opt_state_bytes=_device_bytes(state["opt_state"]),
-    batch_bytes=_device_bytes(batch),
+    params_bytes=device_bytes(state["params"]),
+    opt_state_bytes=device_bytes(state["opt_state"]),
+    batch_bytes=device_bytes(batch),
     argument_bytes=memory.argument_size_in_bytes,
     output_bytes=memory.output_size_in_bytes,
     alias_bytes=memory.alias_size_in_bytes,
@@ -194,7 +197,7 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
   )
 
 
-def _format_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
   for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
     if n >= scale:
       return f"{n / scale:.2f} {unit}"
@@ -223,7 +226,7 @@ def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
     "collectives per step and device (executions, size of the arrays they produce):",
   ]
   for kind, c in p.collectives.items():
-    lines.append(f"  {kind:<25} {c['count']:>6}   {_format_bytes(c['bytes']):>11}")
+    lines.append(f"  {kind:<25} {c['count']:>6}   {format_bytes(c['bytes']):>11}")
   if p.kernels:
     lines.append("custom kernels per step: " + ", ".join(f"{name} × {n}" for name, n in p.kernels.items()))
   targets = dict(HBM_GIB)
@@ -256,9 +259,24 @@ def main(argv=None) -> None:
   hbm_flag = flags.DEFINE_float("hbm_gib", None, "also check against this much memory per device (GiB)")
   json_flag = flags.DEFINE_string("json", None, "also write the plan as JSON to this file")
   hlo_flag = flags.DEFINE_string("hlo", None, "also write the compiled step's HLO text to this file")
+  decode_flag = flags.DEFINE_bool("decode", False, "plan decoding (the Sampler's programs) instead of training")
+  batch_flag = flags.DEFINE_integer("batch", None, "--decode: rows decoded together")
+  max_len_flag = flags.DEFINE_integer("max_len", None, "--decode: KV cache slots per row (default: max_seq_len)")
+  prefill_flag = flags.DEFINE_integer(
+    "prefill_len", None, "--decode: prompt bucket of the prefill plan (default: --max_len; 0: no prefill plan)"
+  )
+  dtype_flag = flags.DEFINE_string("dtype", None, "--decode: weights and compute dtype (default: as stored)")
+  quantize_flag = flags.DEFINE_string("quantize", "none", "--decode: none | int8 (weight-only)")
+  mesh_flag = flags.DEFINE_string("mesh", None, "--decode: decode mesh, e.g. data=1,tensor=-1 (default: all tensor)")
   flags.mark_flags_as_required(["config"])
+  decode_only = (batch_flag, max_len_flag, prefill_flag, dtype_flag, quantize_flag, mesh_flag)
 
   def run(_):
+    if decode_flag.value:
+      return run_decode()
+    for flag in decode_only:
+      if flag.present:
+        exit_with_error(f"--{flag.name} is a decoding flag: add --decode to plan decoding")
     if (devices_flag.value is None) == (topology_flag.value is None):
       exit_with_error("pass exactly one of --devices N (simulated CPU devices) and --topology NAME (TPU compiler)")
     if devices_flag.value is not None and devices_flag.value < 1:
@@ -284,6 +302,49 @@ def main(argv=None) -> None:
     if json_flag.value:
       with open(json_flag.value, "w") as f:
         json.dump({**dataclasses.asdict(result), "peak_bytes": result.peak_bytes}, f, indent=2)
+
+  def run_decode():
+    from llama_jax import plan_decode
+
+    if batch_flag.value is None:
+      exit_with_error("--decode needs --batch B (rows decoded together)")
+    if devices_flag.value is None and topology_flag.value is None:
+      exit_with_error("pass --devices N (simulated CPU devices) or --topology NAME (TPU compiler)")
+    if devices_flag.value is not None and devices_flag.value < 1:
+      exit_with_error(f"--devices must be a positive integer, got {devices_flag.value}")
+    if hbm_flag.value is not None and hbm_flag.value <= 0:
+      exit_with_error(f"--hbm_gib must be > 0, got {hbm_flag.value}")
+    jax.config.update("jax_platforms", "cpu")
+    if topology_flag.value is None:
+      jax.config.update("jax_num_cpu_devices", devices_flag.value)
+    run_config = run_config_from_flag_or_exit(config_flag)
+    if topology_flag.value is None:
+      devices = jax.devices()
+    else:
+      # --devices with --topology: the first N chips of the slice (a one-chip plan from a v5p-8, say).
+      devices = run_or_exit(tpu_devices, topology_flag.value, slices_flag.value)
+      if devices_flag.value is not None:
+        if devices_flag.value > len(devices):
+          exit_with_error(
+            f"--devices {devices_flag.value} is more than the {len(devices)} chips of {topology_flag.value}"
+          )
+        devices = devices[: devices_flag.value]
+    max_len = run_config.model.max_seq_len if max_len_flag.value is None else max_len_flag.value
+    result = run_or_exit(
+      plan_decode.plan,
+      run_config,
+      devices,
+      batch_flag.value,
+      max_len,
+      dtype=dtype_flag.value,
+      quantize=quantize_flag.value,
+      mesh_spec=mesh_flag.value,
+      prefill_len=prefill_flag.value,
+    )
+    print(plan_decode.report(result, hbm_flag.value))
+    if json_flag.value:
+      with open(json_flag.value, "w") as f:
+        json.dump(plan_decode.to_json(result), f, indent=2)
 
   app.run(run, argv, flags_parser=parse_flags_or_exit)
 
