@@ -27,7 +27,6 @@ multiply bf16 directly, so those copies are reported but left out of the peak; o
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 import time
@@ -252,12 +251,24 @@ def plan(
   rows = -(-batch // data) * data
   batch_spec = sharding.logical_to_spec(("activation_batch",), rules)
 
-  decode_fn = jax.jit(
-    functools.partial(
-      sample.decode, graphdef=graphdef, sampling=sample.SamplingConfig(), stop_ids=(EOS_ID,), pad_id=PAD_ID
-    ),
-    donate_argnums=(1,),
-  )
+  layout = sample.default_cache_layout(platform, cfg.head_dim)
+
+  def programs(new_tokens: int):
+    """The Sampler's own jitted prefill and loop (placements and cache layout included) for this mesh."""
+    return sample.decode_programs(
+      graphdef,
+      mesh,
+      rules,
+      sharding.shardings_of(params),
+      cfg.n_layers,
+      layout=layout,
+      sampling=sample.SamplingConfig(),
+      max_new_tokens=new_tokens,
+      stop_ids=(EOS_ID,),
+      pad_id=PAD_ID,
+    )
+
+  decode_fn = programs(max_len)[1]
 
   def compile_decode(n_rows: int):
     # The new-token buffer is sized max_len, an upper bound (a real call holds max_len − prompt bucket).
@@ -266,16 +277,7 @@ def plan(
       return decode_fn.lower(params, state, _replicated(mesh, (), jnp.int32)).compile(), state
 
   def compile_prefill(n_rows: int):
-    prefill_fn = jax.jit(
-      functools.partial(
-        sample.prefill,
-        graphdef=graphdef,
-        sampling=sample.SamplingConfig(),
-        max_new_tokens=max(max_len - prefill_len, 1),
-        stop_ids=(EOS_ID,),
-      ),
-      donate_argnums=(3,),
-    )
+    prefill_fn = programs(max(max_len - prefill_len, 1))[0]
     prompts = jax.ShapeDtypeStruct(
       (n_rows, prefill_len), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(*batch_spec, None))
     )

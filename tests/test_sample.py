@@ -252,3 +252,20 @@ def test_sampler_refuses_params_that_do_not_fit_the_config(change, message):
   with pytest.raises(InferenceError) as error:
     Sampler(cfg.replace(**change), random_params(cfg), eos_id=-1)
   assert message in str(error.value)
+
+
+def test_slot_major_cache_layout_gives_the_same_tokens():
+  """The TPU's cache order ([S, K, B, H] physically, SLOT_MAJOR) forced on CPU: the empty cache, prefill and every
+  loop call keep it, and the tokens do not change."""
+  from llama_jax.sample import SLOT_MAJOR
+
+  cfg = CONFIGS["gqa"]
+  params = random_params(cfg)
+  prompts = [[1, 5, 9, 3], [1, *range(20, 40)]]
+  row_major = Sampler(cfg, params, eos_id=-1)
+  assert row_major.cache_layout is None  # CPU: the default order
+  slot_major = Sampler(cfg, params, eos_id=-1, cache_layout=SLOT_MAJOR)
+  cache = slot_major.empty_cache(2, 32)
+  assert cache.k[0].format.layout.major_to_minor == (2, 1, 0, 3)
+  for chunk in (0, 5):
+    assert slot_major.generate(prompts, 12, chunk=chunk) == row_major.generate(prompts, 12, chunk=chunk)

@@ -99,3 +99,27 @@ def test_tensor_parallel_sums_activations_and_gathers_no_weights(plans):
 @pytest.mark.parametrize("case", CASES)
 def test_a_tpu_chip_holds_the_compiled_step(plans, case):
   assert 0 < plans[case]["peak_bytes"] < 16 * 2**30  # a v5e chip's HBM, the smaller of the two
+
+
+def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(tmp_path):
+  """The sampler's decode loop compiled by the TPU compiler (one v5p chip, head_dim 128): its temporaries are a
+  small fraction of the KV cache (7 MiB for a 64 MiB cache). With a row-major cache the compiler copied the cache
+  into its slot-major order at loop entry and back at exit (39 MiB here; 17 GiB for a 16 GiB 7B cache);
+  sample.SLOT_MAJOR stores it that way."""
+  out = tmp_path / "decode.json"
+  overrides = ["--config.model.dim=256", "--config.model.n_heads=2", "--config.model.n_kv_heads=2"]
+  overrides += ["--config.model.n_layers=2", "--config.model.max_seq_len=2048"]
+  result = subprocess.run(
+    [sys.executable, "-m", "llama_jax.plan", "--decode", "--config", "configs/tiny.py", *overrides]
+    + ["--topology", "v5p-8", "--devices", "1", "--batch", "8", "--max_len", "2048", "--prefill_len", "0"]
+    + ["--json", str(out)],
+    cwd=ROOT,
+    env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = json.loads(out.read_text())
+  assert plan["compiler"] == "TPU compiler"
+  assert plan["decode"]["temp_bytes"] < 0.25 * plan["cache_bytes"], plan
