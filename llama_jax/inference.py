@@ -224,7 +224,11 @@ def place_params(
 
     int8_cfg = out_cfg.replace(quantize="int8")
     shardings = sharding.shardings_of(decode_targets(int8_cfg, mesh))
-    out_cfg, placed = quantize_lib.quantize_params(placed, out_cfg, shardings=shardings, donate=True)
+    # The float leaves placed here are freed as they are quantized, unless some are the caller's own arrays (already
+    # in place) that the caller keeps.
+    given = {id(leaf) for leaf in jax.tree.leaves(params)}
+    ours = donate or not any(id(leaf) in given for leaf in jax.tree.leaves(placed))
+    out_cfg, placed = quantize_lib.quantize_params(placed, out_cfg, shardings=shardings, donate=ours)
   return out_cfg, placed
 
 

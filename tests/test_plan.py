@@ -213,9 +213,9 @@ for quantize in ("none", "int8"):
   cache = plan_decode.abstract_cache(cfg, mesh, inference.decode_rules(cfg, mesh), 6, 48)
   sampler = sample.Sampler(model_cfg, host, eos_id=2, mesh=mesh, quantize=quantize)
   out[quantize] = dict(
-    plan=plan._device_bytes(weights) + plan._device_bytes(cache),
+    plan=plan.device_bytes(weights) + plan.device_bytes(cache),
     sampler=sampler.weight_bytes_per_device() + sampler.cache_bytes_per_device(6, 48),
-    plan_cache=plan._device_bytes(cache),
+    plan_cache=plan.device_bytes(cache),
     sampler_cache=sampler.cache_bytes_per_device(6, 48),
   )
 print(json.dumps(out))
