@@ -81,26 +81,9 @@ def write_meta_dir(hf_dir: str, meta_dir: str, cfg, n_shards: int = 2) -> None:
   import torch
   from safetensors import safe_open
 
-  def meta_name(hf_name: str) -> tuple[str, int | None]:
-    table = {
-      "model.embed_tokens.weight": ("tok_embeddings.weight", 1),
-      "model.norm.weight": ("norm.weight", None),
-      "lm_head.weight": ("output.weight", 0),
-      "input_layernorm.weight": ("attention_norm.weight", None),
-      "self_attn.q_proj.weight": ("attention.wq.weight", 0),
-      "self_attn.k_proj.weight": ("attention.wk.weight", 0),
-      "self_attn.v_proj.weight": ("attention.wv.weight", 0),
-      "self_attn.o_proj.weight": ("attention.wo.weight", 1),
-      "post_attention_layernorm.weight": ("ffn_norm.weight", None),
-      "mlp.gate_proj.weight": ("feed_forward.w1.weight", 0),
-      "mlp.up_proj.weight": ("feed_forward.w3.weight", 0),
-      "mlp.down_proj.weight": ("feed_forward.w2.weight", 1),
-    }
-    if hf_name in table:
-      return table[hf_name]
-    _, _, layer, suffix = hf_name.split(".", 3)
-    name, dim = table[suffix]
-    return f"layers.{layer}.{name}", dim
+  from llama_jax import meta_checkpoint
+
+  names = meta_checkpoint.meta_names(cfg)  # HF name → (Meta name, split dim)
 
   shards = [{} for _ in range(n_shards)]
   for file in sorted(os.listdir(hf_dir)):
@@ -109,7 +92,7 @@ def write_meta_dir(hf_dir: str, meta_dir: str, cfg, n_shards: int = 2) -> None:
     with safe_open(os.path.join(hf_dir, file), framework="numpy") as f:
       for hf_name in f.keys():
         w = f.get_tensor(hf_name)
-        name, dim = meta_name(hf_name)
+        name, dim = names[hf_name]
         if name.endswith(("wq.weight", "wk.weight")):
           heads = w.shape[0] // cfg.head_dim
           w = w.reshape(heads, 2, cfg.head_dim // 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)

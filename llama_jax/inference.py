@@ -16,6 +16,7 @@ cache then costs tensor / n_kv_heads times its unrepeated size in total, and one
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Mapping
@@ -30,8 +31,6 @@ from llama_jax import checkpoint, sharding
 from llama_jax.config import DEFAULT_LOGICAL_AXIS_RULES, DTYPES, QUANTIZE_MODES, ModelConfig
 from llama_jax.errors import LlamaJaxError
 from llama_jax.model import Llama
-
-QUANTIZE_CHOICES = QUANTIZE_MODES
 
 # Logical axis → mesh axis for decoding: the training rules (tensor over heads, kv heads, MLP and vocabulary) except
 # that "embed" is never split (no weight is gathered per token) and batch rows go over `data` alone. "vocab" and
@@ -75,7 +74,7 @@ def add_model_flags(parser) -> None:
   parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (and compute) to this dtype at load")
   parser.add_argument(
     "--quantize",
-    choices=QUANTIZE_CHOICES,
+    choices=QUANTIZE_MODES,
     default="none",
     help="int8: weight-only int8 with per-output-channel scales (memory; slower on CPU)",
   )
@@ -135,8 +134,8 @@ def decode_config(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None, quanti
   (default: as stored), projections int8 when quantized."""
   if dtype is not None and dtype not in DTYPES:
     raise InferenceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-  if quantize not in QUANTIZE_CHOICES:
-    raise InferenceError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+  if quantize not in QUANTIZE_MODES:
+    raise InferenceError(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
   repeats = kv_repeats(cfg, mesh.shape["tensor"])
   changes: dict[str, Any] = dict(n_kv_heads=cfg.n_kv_heads * repeats)
   if dtype is not None:
@@ -205,15 +204,14 @@ def place_params(
     known = path if path[0] != "layers" or not stacked else ("layers", 0, *path[1:])
     if known not in flat_targets:
       raise InferenceError(f"parameter {'/'.join(map(str, path))} is not part of a model with this config")
-    if path[0] != "layers":
-      placed[path] = layer_leaf(path, leaf, None, flat_targets[path])
-    elif stacked:
-      for layer in range(n_layers):
-        out_path = ("layers", layer, *path[1:])
-        placed[out_path] = layer_leaf(out_path, leaf, layer, flat_targets[out_path])
+    if path[0] == "layers" and stacked:
+      outs = {("layers", i, *path[1:]): None for i in range(n_layers)}
+      for layer, out_path in enumerate(outs):
+        outs[out_path] = layer_leaf(out_path, leaf, layer, flat_targets[out_path])
     else:
-      placed[path] = layer_leaf(path, leaf, None, flat_targets[path])
-    if donate and isinstance(leaf, jax.Array) and all(leaf is not p for p in placed.values()):
+      outs = {path: layer_leaf(path, leaf, None, flat_targets[path])}
+    placed.update(outs)
+    if donate and isinstance(leaf, jax.Array) and all(out is not leaf for out in outs.values()):
       leaf.delete()  # freed before the next leaf is placed: the peak is the model plus one stacked leaf
   missing = sorted(map(str, set(flat_targets) - set(placed)))
   if missing:
@@ -293,12 +291,25 @@ def load_params(
 
 
 def per_device_bytes(tree: Any) -> int:
-  """The most bytes any one device holds of the arrays in `tree` (their addressable shards, summed per device)."""
-  totals: dict[Any, int] = {}
+  """The most bytes any one device of this process holds of `tree` (arrays or ShapeDtypeStructs with shardings):
+  max over devices of the sum of their shards. Leaves with no sharding (numpy) count whole on every device."""
+  totals: collections.Counter = collections.Counter()
+  everywhere = 0
   for leaf in jax.tree.leaves(tree):
-    for shard in leaf.addressable_shards:
-      totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
-  return max(totals.values(), default=0)
+    leaf_sharding = getattr(leaf, "sharding", None)
+    itemsize = np.dtype(leaf.dtype).itemsize
+    if leaf_sharding is None:
+      everywhere += math.prod(leaf.shape) * itemsize
+      continue
+    for device in leaf_sharding.addressable_devices:
+      totals[device] += math.prod(leaf_sharding.shard_shape(leaf.shape)) * itemsize
+  return everywhere + max(totals.values(), default=0)
+
+
+def padded_rows(batch: int, mesh: Mesh) -> int:
+  """Rows actually decoded: the batch padded to a multiple of the data axis (the Sampler repeats the first prompt)."""
+  data = mesh.shape["data"]
+  return -(-batch // data) * data
 
 
 def cache_shardings(mesh: Mesh, rules) -> dict[str, NamedSharding]:

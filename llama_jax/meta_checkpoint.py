@@ -64,7 +64,7 @@ def permute_meta_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(rows, dim)
 
 
-def _meta_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None]]:
+def meta_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None]]:
   """HF name → (Meta name, split dimension) of every tensor."""
   names = {hf: (meta, dim) for meta, (hf, dim) in _META_TOP_TENSORS.items()}
   for i in range(cfg.n_layers):
@@ -193,7 +193,7 @@ class MetaShards:
 
   def _check_shapes(self, hf_shapes: Mapping[str, tuple[int, ...]]) -> None:
     cfg, files = self.cfg, [os.path.basename(p) for p in self.paths]
-    names = _meta_names(cfg)
+    names = meta_names(cfg)
     known = {meta for meta, _ in names.values()} | set(_META_IGNORED)
     for file, shard in zip(files, self.shards):
       for name in shard:
@@ -237,7 +237,7 @@ class MetaShards:
   def copy_into(self, hf_views: Iterable[tuple[str, np.ndarray]]) -> None:
     """Fills each (HF name, HF-layout [out, in] array) with the merged tensor, copied piece by piece from the mapped
     shards (q/k rows permuted to half rotation)."""
-    cfg, names = self.cfg, _meta_names(self.cfg)
+    cfg, names = self.cfg, meta_names(self.cfg)
     for hf_name, hf in hf_views:
       meta_name, dim = names[hf_name]
       offset = 0

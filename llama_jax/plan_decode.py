@@ -161,14 +161,9 @@ def decode_model(model_cfg, mesh, dtype: str | None = None, quantize: str = "non
 
 def abstract_cache(cfg, mesh, rules, rows: int, length: int) -> KVCache:
   """The per-layer KV cache ``Sampler.empty_cache`` creates, as ShapeDtypeStructs with its shardings."""
-  shardings = inference.cache_shardings(mesh, rules)
-  kv = jax.ShapeDtypeStruct((rows, cfg.n_kv_heads, length, cfg.head_dim), cfg.dtype, sharding=shardings["kv"])
-  return KVCache(
-    k=(kv,) * cfg.n_layers,
-    v=(kv,) * cfg.n_layers,
-    positions=jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=shardings["positions"]),
-    index=jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings["index"]),
-  )
+  shapes = jax.eval_shape(lambda: KVCache.empty(cfg, rows, length, per_layer=True))
+  shardings = sample.cache_formats(mesh, rules, cfg.n_layers, layout=None)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 def abstract_decode_state(cfg, mesh, rules, rows: int, length: int, new_tokens: int) -> sample.DecodeState:
@@ -248,7 +243,7 @@ def plan(
   rules = inference.decode_rules(cfg, mesh)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
   data = mesh.shape["data"]
-  rows = -(-batch // data) * data
+  rows = inference.padded_rows(batch, mesh)
   batch_spec = sharding.logical_to_spec(("activation_batch",), rules)
 
   layout = sample.default_cache_layout(platform, cfg.head_dim)

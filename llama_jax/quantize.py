@@ -1,4 +1,4 @@
-"""Weight-only int8 for decoding: symmetric per-output-channel scales, the weight table, and weight-memory reports.
+"""Weight-only int8 for decoding: symmetric per-output-channel scales, the weight table, and weight byte counts.
 
 An int8 model (``ModelConfig.quantize == "int8"``) stores every projection as int8 with a float32 scale per output
 channel, a separate parameter ``<weight>_scale`` whose logical axes are the weight's output axes (so the sharding
@@ -13,7 +13,6 @@ Float checkpoints are quantized at load time by `quantize_params`; training refu
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from collections.abc import Mapping
@@ -131,19 +130,3 @@ def _nbytes(leaf: Any) -> int:
 def weight_bytes(params: Any) -> int:
   """Total bytes of a params tree (arrays or ShapeDtypeStructs: a 7B model's figure from shapes alone)."""
   return sum(_nbytes(leaf) for leaf in jax.tree.leaves(params))
-
-
-def per_device_weight_bytes(params: Any) -> int:
-  """The most weight bytes any one device holds: max over devices of the sum of its addressable shards. Leaves with
-  no sharding (numpy, plain ShapeDtypeStructs) count whole on every device."""
-  per_device: collections.Counter = collections.Counter()
-  everywhere = 0
-  for leaf in jax.tree.leaves(params):
-    leaf_sharding = getattr(leaf, "sharding", None)
-    if leaf_sharding is None:
-      everywhere += _nbytes(leaf)
-      continue
-    shard_bytes = math.prod(leaf_sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-    for device in leaf_sharding.addressable_devices:
-      per_device[device] += shard_bytes
-  return everywhere + max(per_device.values(), default=0)

@@ -306,17 +306,17 @@ class Sampler:
     platform = self.mesh.devices.flat[0].platform
     auto = default_cache_layout(platform, self.cfg.head_dim)
     self.cache_layout = auto if cache_layout == "auto" else cache_layout
+    self._empty_cache = jax.jit(
+      functools.partial(KVCache.empty, per_layer=True),
+      static_argnums=(0, 1, 2),
+      out_shardings=cache_formats(self.mesh, self.rules, self.cfg.n_layers, self.cache_layout),
+    )
 
   def weight_bytes_per_device(self) -> int:
     return inference.per_device_bytes(self.params)
 
   def cache_bytes_per_device(self, batch: int, length: int) -> int:
-    return inference.cache_bytes_per_device(self.cfg, self.mesh, self._rows(batch), length)
-
-  def _rows(self, batch: int) -> int:
-    """Rows actually decoded: the batch padded to a multiple of the data axis (extra rows repeat the first)."""
-    data = self.mesh.shape["data"]
-    return -(-batch // data) * data
+    return inference.cache_bytes_per_device(self.cfg, self.mesh, inference.padded_rows(batch, self.mesh), length)
 
   # Cached per sampler (the cache holding `self` is intended: a sampler lives as long as its compiled programs).
   @functools.lru_cache(maxsize=32)  # noqa: B019
@@ -335,9 +335,9 @@ class Sampler:
     )
 
   def empty_cache(self, batch: int, length: int) -> KVCache:
-    """A KV cache of `batch` rows and `length` slots created directly in its shards and memory layout."""
-    out = cache_formats(self.mesh, self.rules, self.cfg.n_layers, self.cache_layout)
-    return jax.jit(lambda: KVCache.empty(self.cfg, batch, length, per_layer=True), out_shardings=out)()
+    """A KV cache of `batch` rows and `length` slots created directly in its shards and memory layout (one program
+    per shape, compiled once per sampler)."""
+    return self._empty_cache(self.cfg, batch, length)
 
   def _put(self, host: np.ndarray, spec: PartitionSpec) -> jax.Array:
     """A host array (the same on every process) as a global array split by `spec`."""
@@ -362,7 +362,7 @@ class Sampler:
     self.validate(prompts, max_new_tokens)
     stops = tuple(sorted({self.eos_id, *stop_ids}))
     n_prompts = len(prompts)
-    prompts = list(prompts) + [prompts[0]] * (self._rows(n_prompts) - n_prompts)
+    prompts = list(prompts) + [prompts[0]] * (inference.padded_rows(n_prompts, self.mesh) - n_prompts)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     bucket = bucket_length(int(lengths.max()), self.cfg.max_seq_len - max_new_tokens)
     padded = np.full((len(prompts), bucket), self.pad_id, np.int32)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from llama_jax import model as model_lib
 from llama_jax import quantize
 from llama_jax.config import ConfigError, ModelConfig, RunConfig
+from llama_jax.inference import per_device_bytes
 from tests.conftest import needs_shakespeare
 
 # GQA; a square MLP (F = D) and N·H = D, so that a scale read on the wrong axis of an MLP weight, or applied to the
@@ -189,13 +190,13 @@ def test_weight_bytes_count_int8_weights_and_float32_scales():
   assert quantize.weight_bytes(int8_params) == (cfg.num_params() - norms) + norms * 4 + scales * 4
   # On one device every byte is on it; numpy leaves (no sharding) count whole.
   arrays = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), int8_params)
-  assert quantize.per_device_weight_bytes(arrays) == quantize.weight_bytes(int8_params)
-  assert quantize.per_device_weight_bytes(jax.tree.map(np.asarray, arrays)) == quantize.weight_bytes(int8_params)
+  assert per_device_bytes(arrays) == quantize.weight_bytes(int8_params)
+  assert per_device_bytes(jax.tree.map(np.asarray, arrays)) == quantize.weight_bytes(int8_params)
 
 
 class FakeLeaf:
   """An array sharded over several devices (this process has one): each device in `devices` holds a shard of
-  `shard_shape`. What per_device_weight_bytes reads: shape, dtype and the sharding's shard_shape and devices."""
+  `shard_shape`. What inference.per_device_bytes reads: shape, dtype and the sharding's shard_shape and devices."""
 
   def __init__(self, shape, dtype, devices, shard_shape):
     self.shape, self.dtype, self.sharding = shape, dtype, self
@@ -205,14 +206,14 @@ class FakeLeaf:
     return self._shard_shape
 
 
-def test_per_device_weight_bytes_is_the_fullest_device():
+def test_per_device_bytes_is_the_fullest_device():
   leaves = [
     np.zeros((8, 4), np.int8),  # no sharding: 32 bytes on every device
     FakeLeaf((8, 4), np.float32, ["device a", "device b"], (4, 4)),  # split in two: 64 bytes each
     FakeLeaf((8,), np.float32, ["device b"], (8,)),  # 32 bytes on b only
   ]
   assert quantize.weight_bytes(leaves) == 32 + 128 + 32
-  assert quantize.per_device_weight_bytes(leaves) == 32 + 64 + 32
+  assert per_device_bytes(leaves) == 32 + 64 + 32
 
 
 def test_quantize_params_places_each_leaf_in_the_given_shardings_and_can_free_the_floats():
