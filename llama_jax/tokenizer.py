@@ -104,6 +104,10 @@ class Tokenizer:
       raise TokenizerError(f"token id {int(bad[0])} is out of range [0, {self.vocab_size})")
     return self._sp.decode(ids_array.tolist())
 
+  def id_to_piece(self, token_id: int) -> str:
+    """The vocabulary entry of one id ("▁the", "<0x0A>", "</s>")."""
+    return self._sp.id_to_piece(int(token_id))
+
   def token_byte_lengths(self) -> np.ndarray:
     """[vocab_size] int32: how many UTF-8 bytes of decoded text each token stands for, to turn a loss per token
     into bits per byte exactly.

@@ -95,6 +95,25 @@ def test_tokenizer_model_travels_with_the_checkpoint(tmp_path):
       assert f.read() == g.read()
 
 
+@needs_meta_tokenizer  # skips without the fixture, fails under CI=true
+def test_exported_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path):
+  """AutoTokenizer on a --to_hf export (what lm-eval uses against the server) gives exactly llama_jax's ids, bos
+  included, and decodes them back to the same text."""
+  from llama_jax.tokenizer import Tokenizer
+
+  _, hf_dir = save_hf(tmp_path)
+  with open(TOKENIZER_FIXTURE, "rb") as src, open(os.path.join(hf_dir, "tokenizer.model"), "wb") as dst:
+    dst.write(src.read())
+  convert.from_hf(hf_dir, str(tmp_path / "ckpt"))
+  convert.to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"))
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+  ours = Tokenizer(TOKENIZER_FIXTURE)
+  texts = ["Shall I compare thee to a summer's day?", "  two leading spaces", "déjà vu — ünïcödé 日本語", "a\nb\tc"]
+  for text in texts:
+    assert hf_tokenizer(text)["input_ids"] == ours.encode(text, bos=True), text
+    assert hf_tokenizer.decode(ours.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text))
+
+
 def test_llama3_rope_scaling_survives_conversion(tmp_path):
   cfg = CFG.replace(rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=64)
   _, hf_dir = save_hf(tmp_path, cfg)

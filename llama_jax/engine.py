@@ -1,0 +1,606 @@
+"""Continuous batching: a fixed number of decode slots share one KV cache; requests join and leave between steps.
+
+JetStream's shape. A request is prefilled alone (batch 1, its prompt padded to a power-of-two bucket), its keys and
+values are inserted into a free slot's row of the shared cache, and from then on one compiled call runs a short chunk
+of decode steps for every slot at once. Each slot samples with its own temperature, top-k, top-p and seed (arrays in
+the state, so requests with different settings share one program). Between calls the host hands each request its
+new tokens, frees the slots that finished (eos, length, or cancelled by the caller) and admits waiting requests.
+
+The cache is a ring of S columns: one scalar write index advances one column per step for every slot. Attention
+masks by the position stored with each column, not by column order, so a slot's tokens may sit anywhere in its row;
+an inserted prompt is rolled to end just before the write index, and the slot then writes one column per step until
+it is done. A slot's request spans at most S columns, so prompt + max_tokens ≤ S (the engine's max_len).
+
+``serve.py`` is the HTTP face of this class; tests and benches drive it directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from llama_jax import sharding
+from llama_jax.model import EMPTY_POSITION, KVCache
+from llama_jax.sample import SampleError, Sampler, bucket_length, cache_formats
+
+# Top log-probabilities kept per token (OpenAI's completions API allows logprobs ≤ 5).
+TOP_LOGPROBS = 5
+# Decode steps per compiled call: the host looks at the slots (new tokens, finished rows, waiting requests) after
+# each call. 4 steps cost one host round trip instead of four, and delay a new request by at most 3 steps.
+STEPS_PER_CALL = 4
+
+
+class EngineError(SampleError):
+  """A request the engine cannot run (prompt and max_tokens beyond the slots' length, bad sampling values)."""
+
+
+@dataclasses.dataclass
+class Output:
+  """What a request receives, in order: new tokens (with their log-probabilities and top alternatives when asked),
+  then one last output with `finish_reason` ("stop": eos; "length": max_tokens; "cancelled")."""
+
+  tokens: list[int]
+  logprobs: list[float] | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
+  finish_reason: str | None = None
+  error: str | None = None  # with finish_reason "error": what failed in the engine
+  # With finish_reason "stop" and logprobs: the log-probability of the eos that ended the text, and its alternatives.
+  eos_logprob: float | None = None
+  eos_top_logprobs: list[tuple[int, float]] | None = None
+  # Only in the first output of a request with prompt_logprobs: for prompt tokens 1..P-1, their log-probability
+  # given the tokens before, and the top alternatives at that position.
+  prompt_logprobs: list[float] | None = None
+  prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One generation: prompt ids, at most `max_tokens` new ones (0: only score the prompt), sampling settings
+  (temperature 0 is greedy), and `on_output`, called from the engine's thread with each Output."""
+
+  prompt: Sequence[int]
+  max_tokens: int
+  on_output: Callable[[Output], None]
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  logprobs: bool = False
+  prompt_logprobs: bool = False
+  id: int = dataclasses.field(default_factory=itertools.count().__next__)
+  cancelled: bool = False
+  emitted: int = 0
+  finished: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+  """Everything the decode steps carry, one row per slot: the shared cache, each slot's last token and its position,
+  whether it is running, how many tokens it may still emit, its sampling settings and whether it wants
+  log-probabilities."""
+
+  cache: KVCache
+  token: jax.Array
+  position: jax.Array
+  active: jax.Array
+  remaining: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  logprobs: jax.Array
+
+
+def filter_rows(scaled_BV, top_k_B, top_p_B) -> jax.Array:
+  """Temperature-scaled logits with everything outside each row's top-k and top-p nucleus set to -inf: the rule of
+  ``sample.filter_logits`` (top-k first, then the smallest prefix whose mass reaches top_p) with per-row settings
+  (top_k 0 and top_p 1 switch a filter off)."""
+  vocab = scaled_BV.shape[-1]
+  sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
+  rank_V = jnp.arange(vocab)
+  in_top_k_BV = (top_k_B[:, None] == 0) | (rank_V[None] < top_k_B[:, None])
+  sorted_BV = jnp.where(in_top_k_BV, sorted_BV, -jnp.inf)
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+  keep_BV = in_top_k_BV & ((mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
+  threshold_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(scaled_BV < threshold_B1, -jnp.inf, scaled_BV)
+
+
+def sample_rows(logits_BV, temperature_B, top_k_B, top_p_B, seed_B, position_B) -> jax.Array:
+  """One token per row, each with its own settings: argmax where temperature is 0, else a draw from the
+  temperature-scaled distribution cut by ``filter_rows``. The draw's key is (seed, position of the new token): a
+  request's tokens do not depend on which slot it runs in or what runs beside it."""
+  logits_BV = logits_BV.astype(jnp.float32)
+  scaled_BV = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+  # The sort over the vocabulary runs only when some sampling row filters.
+  needs_filter = jnp.any((temperature_B > 0) & ((top_k_B > 0) | (top_p_B < 1.0)))
+  scaled_BV = jax.lax.cond(needs_filter, lambda x: filter_rows(x, top_k_B, top_p_B), lambda x: x, scaled_BV)
+  greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+  def draw(scaled_BV):
+    keys_B = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(seed_B, position_B)
+    drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV).astype(jnp.int32)
+    return jnp.where(temperature_B > 0, drawn_B, greedy_B)
+
+  # Random draws over the vocabulary cost more than the step's products at small sizes (stories15M, 16 slots: one
+  # Gumbel sample per vocabulary entry per row); an all-greedy batch skips them.
+  return jax.lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, scaled_BV)
+
+
+def _token_logprobs(logits_BV, token_B):
+  """(log-probability of each row's token, top-k log-probabilities and their ids) under the model's distribution
+  (temperature 1, no filter: what OpenAI's `logprobs` report)."""
+  logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  chosen_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
+  top_values_BN, top_ids_BN = jax.lax.top_k(logprobs_BV, TOP_LOGPROBS)
+  return chosen_B, top_values_BN, top_ids_BN
+
+
+def _insert(
+  params,
+  state: SlotState,
+  prompt_1P,
+  length,
+  slot,
+  settings,
+  *,
+  graphdef,
+  cfg,
+  score_prompt: bool,
+  eos_id: int,
+):
+  """Prefills one prompt alone, writes its keys and values over `slot`'s row (rolled to end just before the write
+  index) and starts the slot with the first sampled token. `settings` = (temperature, top_k, top_p, seed,
+  max_tokens). Returns the state and the first token's outputs (plus the prompt's, when scoring)."""
+  from flax import nnx
+
+  temperature, top_k, top_p, seed, max_tokens, logprobs = settings
+  model = nnx.merge(graphdef, params)
+  bucket = prompt_1P.shape[1]
+  columns = state.cache.positions.shape[1]
+  positions_1P = jnp.arange(bucket, dtype=jnp.int32)[None]
+  segment_ids_1P = (positions_1P < length).astype(jnp.int32)
+  prefill_cache = KVCache.empty(cfg, 1, bucket, per_layer=True)
+  logits_1PV, prefill_cache = model.decode(prompt_1P, positions_1P, prefill_cache, segment_ids_1P)
+  last_1V = jax.lax.dynamic_slice_in_dim(logits_1PV, length - 1, 1, axis=1)[:, 0]
+  token_1 = sample_rows(last_1V, temperature[None], top_k[None], top_p[None], seed[None], length[None])
+  outputs = dict(zip(("logprob", "top_values", "top_ids"), _token_logprobs(last_1V, token_1)), token=token_1)
+  if score_prompt:
+    # Position t predicts prompt token t + 1.
+    chosen, top_values, top_ids = _token_logprobs(logits_1PV[0], jnp.roll(prompt_1P[0], -1))
+    outputs.update(prompt_logprob=chosen, prompt_top_values=top_values, prompt_top_ids=top_ids)
+
+  # The prompt's columns end just before the write index: the slot's next step writes at the index.
+  start = (state.cache.index - length) % columns
+
+  def into_row(prefilled_1KPH, row_BKSH):
+    n_kv_heads, head_dim = prefilled_1KPH.shape[1], prefilled_1KPH.shape[3]
+    padded = jnp.zeros((1, n_kv_heads, columns - bucket, head_dim), row_BKSH.dtype)
+    rolled = jnp.roll(jnp.concatenate([prefilled_1KPH.astype(row_BKSH.dtype), padded], axis=2), start, axis=2)
+    return jax.lax.dynamic_update_slice(row_BKSH, rolled, (slot, 0, 0, 0))
+
+  empty = jnp.full((1, columns - bucket), EMPTY_POSITION, jnp.int32)
+  row_positions = jnp.roll(jnp.concatenate([prefill_cache.positions, empty], axis=1), start, axis=1)
+  cache = KVCache(
+    k=tuple(into_row(p, r) for p, r in zip(prefill_cache.k, state.cache.k)),
+    v=tuple(into_row(p, r) for p, r in zip(prefill_cache.v, state.cache.v)),
+    positions=jax.lax.dynamic_update_slice(state.cache.positions, row_positions, (slot, 0)),
+    index=state.cache.index,
+  )
+  running = (max_tokens > 1) & (token_1[0] != eos_id)
+  state = SlotState(
+    cache=cache,
+    token=state.token.at[slot].set(token_1[0]),
+    position=state.position.at[slot].set(length),
+    active=state.active.at[slot].set(running),
+    remaining=state.remaining.at[slot].set(max_tokens - 1),
+    temperature=state.temperature.at[slot].set(temperature),
+    top_k=state.top_k.at[slot].set(top_k),
+    top_p=state.top_p.at[slot].set(top_p),
+    seed=state.seed.at[slot].set(seed),
+    logprobs=state.logprobs.at[slot].set(logprobs),
+  )
+  return state, outputs
+
+
+def _generate(params, state: SlotState, busy_B, *, graphdef, steps: int, eos_id: int):
+  """Up to `steps` decode steps for every running slot (stops early when none runs). Slots the host no longer
+  holds (`busy_B` false: cancelled) stop first. Returns the state and per step [steps, B]: tokens, whether the slot
+  emitted one, their log-probabilities and top alternatives."""
+  from flax import nnx
+
+  model = nnx.merge(graphdef, params)
+  batch = state.token.shape[0]
+  columns = state.cache.positions.shape[1]
+  state = dataclasses.replace(state, active=state.active & busy_B)
+  out = dict(
+    token=jnp.zeros((steps, batch), jnp.int32),
+    emitted=jnp.zeros((steps, batch), bool),
+    logprob=jnp.zeros((steps, batch), jnp.float32),
+    top_values=jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.float32),
+    top_ids=jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.int32),
+  )
+
+  def cond(carry):
+    i, s, _ = carry
+    return (i < steps) & jnp.any(s.active)
+
+  def body(carry):
+    i, s, out = carry
+    logits_B1V, cache = model.decode(s.token[:, None], s.position[:, None], s.cache)
+    logits_BV = logits_B1V[:, 0]
+    position_B = s.position + 1
+    token_B = sample_rows(logits_BV, s.temperature, s.top_k, s.top_p, s.seed, position_B)
+    # log_softmax and top-k over the vocabulary only when some running slot reports log-probabilities.
+    logprob_B, top_values_BN, top_ids_BN = jax.lax.cond(
+      jnp.any(s.logprobs & s.active),
+      _token_logprobs,
+      lambda *_: (jnp.zeros((batch,)), jnp.zeros((batch, TOP_LOGPROBS)), jnp.zeros((batch, TOP_LOGPROBS), jnp.int32)),
+      logits_BV,
+      token_B,
+    )
+    emitted_B = s.active
+    token_B = jnp.where(emitted_B, token_B, 0)
+    remaining_B = s.remaining - emitted_B.astype(jnp.int32)
+    s = SlotState(
+      cache=dataclasses.replace(cache, index=cache.index % columns),
+      token=token_B,
+      position=jnp.where(emitted_B, position_B, s.position),
+      active=emitted_B & (token_B != eos_id) & (remaining_B > 0),
+      remaining=remaining_B,
+      temperature=s.temperature,
+      top_k=s.top_k,
+      top_p=s.top_p,
+      seed=s.seed,
+      logprobs=s.logprobs,
+    )
+    new = dict(token=token_B, emitted=emitted_B, logprob=logprob_B, top_values=top_values_BN, top_ids=top_ids_BN)
+    out = {name: out[name].at[i].set(new[name]) for name in out}
+    return i + 1, s, out
+
+  _, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out))
+  return state, out
+
+
+class Engine:
+  """Continuous batching over a Sampler's placed model: `slots` concurrent requests of up to `max_len` tokens
+  (prompt + new) each. `submit` queues a request from any thread; `start` runs the scheduler in a background thread
+  (or call `step` yourself). Slots must be a multiple of the mesh's data axis (rows are split over it)."""
+
+  def __init__(
+    self,
+    sampler: Sampler,
+    slots: int = 8,
+    max_len: int | None = None,
+    steps_per_call: int = STEPS_PER_CALL,
+  ):
+    self.sampler = sampler
+    cfg = sampler.cfg
+    self.max_len = max_len or cfg.max_seq_len
+    if not 2 <= self.max_len <= cfg.max_seq_len:
+      raise EngineError(f"max_len must be in [2, {cfg.max_seq_len}] (the model's max_seq_len), got {self.max_len}")
+    data = sampler.mesh.shape["data"]
+    if slots < 1 or slots % data:
+      raise EngineError(f"slots must be a positive multiple of the mesh's data axis {data}, got {slots}")
+    if steps_per_call < 1:
+      raise EngineError(f"steps_per_call must be ≥ 1, got {steps_per_call}")
+    self.slots, self.steps_per_call = slots, steps_per_call
+    self.eos_id = sampler.eos_id
+    mesh, rules = sampler.mesh, sampler.rules
+    replicated = NamedSharding(mesh, PartitionSpec())
+    self._state_shardings = SlotState(
+      cache=cache_formats(mesh, rules, cfg.n_layers, sampler.cache_layout),
+      **{name: replicated for name in ("token", "position", "active", "remaining", "temperature", "top_k", "top_p")},
+      seed=replicated,
+      logprobs=replicated,
+    )
+    self._param_shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
+    self._replicated = replicated
+    self._generate = jax.jit(
+      functools.partial(_generate, graphdef=sampler.graphdef, steps=steps_per_call, eos_id=self.eos_id),
+      in_shardings=(self._param_shardings, self._state_shardings, replicated),
+      out_shardings=(self._state_shardings, replicated),
+      donate_argnums=(1,),
+    )
+    with sharding.activate(mesh, rules):
+      self.state = self._empty_state()
+    self._queue: collections.deque[Request] = collections.deque()
+    self._slot_requests: list[Request | None] = [None] * slots
+    self._wake = threading.Condition()
+    self._thread: threading.Thread | None = None
+    self._stopping = False
+    self.stats = collections.Counter()
+
+  # ---- programs ----
+
+  def _empty_state(self) -> SlotState:
+    cache = self.sampler.empty_cache(self.slots, self.max_len)
+    zeros = np.zeros(self.slots, np.int32)
+    small = dict(
+      token=zeros,
+      position=zeros,
+      active=np.zeros(self.slots, bool),
+      remaining=zeros,
+      temperature=np.zeros(self.slots, np.float32),
+      top_k=zeros,
+      top_p=np.ones(self.slots, np.float32),
+      seed=np.zeros(self.slots, np.uint32),
+      logprobs=np.zeros(self.slots, bool),
+    )
+    return SlotState(cache=cache, **{name: jax.device_put(value, self._replicated) for name, value in small.items()})
+
+  @functools.lru_cache(maxsize=16)  # noqa: B019 (one engine, one set of programs)
+  def _insert_program(self, score_prompt: bool):
+    settings = (self._replicated,) * 6
+    return jax.jit(
+      functools.partial(
+        _insert, graphdef=self.sampler.graphdef, cfg=self.sampler.cfg, score_prompt=score_prompt, eos_id=self.eos_id
+      ),
+      in_shardings=(
+        self._param_shardings,
+        self._state_shardings,
+        self._replicated,
+        self._replicated,
+        self._replicated,
+        settings,
+      ),
+      out_shardings=(self._state_shardings, self._replicated),
+      donate_argnums=(1,),
+    )
+
+  # ---- requests ----
+
+  def validate(self, request: Request) -> None:
+    """Raises EngineError (naming the value and the allowed range) for a request this engine cannot run."""
+    n = len(request.prompt)
+    if n == 0:
+      raise EngineError("the prompt is empty: it needs at least one token")
+    vocab = self.sampler.cfg.vocab_size
+    if min(request.prompt) < 0 or max(request.prompt) >= vocab:
+      bad = next(t for t in request.prompt if not 0 <= t < vocab)
+      raise EngineError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+    if request.max_tokens < 0:
+      raise EngineError(f"max_tokens must be ≥ 0, got {request.max_tokens}")
+    if n + request.max_tokens > self.max_len:
+      raise EngineError(
+        f"prompt of {n} tokens + max_tokens {request.max_tokens} = {n + request.max_tokens} exceeds the context "
+        f"length {self.max_len}; shorten the prompt or lower max_tokens to at most {max(self.max_len - n, 0)}"
+      )
+    if not request.temperature >= 0:
+      raise EngineError(f"temperature must be ≥ 0 (0 = greedy), got {request.temperature}")
+    if request.top_k < 0:
+      raise EngineError(f"top_k must be ≥ 0 (0 = off), got {request.top_k}")
+    if not 0 < request.top_p <= 1:
+      raise EngineError(f"top_p must be in (0, 1], got {request.top_p}")
+
+  def submit(self, request: Request) -> Request:
+    """Queues a request (validated first); its outputs arrive through `request.on_output`."""
+    self.validate(request)
+    with self._wake:
+      self._queue.append(request)
+      self._wake.notify()
+    return request
+
+  def cancel(self, request: Request) -> None:
+    """Stops a request (client gone, stop string seen): its slot is freed before the next step; no more outputs."""
+    request.cancelled = True
+    with self._wake:
+      self._wake.notify()
+
+  def busy_slots(self) -> int:
+    return sum(r is not None for r in self._slot_requests)
+
+  def queued(self) -> int:
+    return len(self._queue)
+
+  def pending(self) -> int:
+    """Requests not finished: waiting or in a slot."""
+    return self.queued() + self.busy_slots()
+
+  def _deliver(self, request: Request, output: Output) -> None:
+    """Hands an output to its request; a callback that fails cancels that request only."""
+    try:
+      request.on_output(output)
+    except Exception:  # noqa: BLE001 (the caller's callback; other requests must go on)
+      request.cancelled = True
+      self.stats["callback_errors"] += 1
+
+  # ---- scheduling ----
+
+  def step(self) -> bool:
+    """One round: drop cancelled requests, admit waiting ones into free slots, run one chunk of decode steps and
+    hand out the tokens. False when there was nothing to do."""
+    for slot, request in enumerate(self._slot_requests):
+      if request is not None and request.cancelled:
+        self._finish(slot, "cancelled")
+    admitted = False
+    while self._queue and None in self._slot_requests:
+      request = self._queue.popleft()
+      if request.cancelled:
+        continue
+      self._admit(request, self._slot_requests.index(None))
+      admitted = True
+    if not any(r is not None for r in self._slot_requests):
+      return admitted
+    busy = np.asarray([r is not None for r in self._slot_requests])
+    with sharding.activate(self.sampler.mesh, self.sampler.rules):
+      self.state, out = self._generate(self.sampler.params, self.state, jax.device_put(busy, self._replicated))
+    out = jax.device_get(out)
+    self.stats["steps"] += int(out["emitted"].any(axis=1).sum())
+    for slot, request in enumerate(self._slot_requests):
+      if request is None:
+        continue
+      emitted = out["emitted"][:, slot]
+      tokens = out["token"][emitted, slot].tolist()
+      self.stats["tokens"] += len(tokens)
+      logprobs = top = None
+      if request.logprobs:
+        logprobs = out["logprob"][emitted, slot].tolist()
+        top = _pairs(out["top_ids"][emitted, slot], out["top_values"][emitted, slot])
+      self._hand_out(slot, request, tokens, logprobs, top)
+    return True
+
+  def _hand_out(self, slot: int, request: Request, tokens: list[int], logprobs, top) -> None:
+    """A running request's new tokens: delivered, and the request finished at eos or at max_tokens. eos is not part
+    of the tokens; its log-probability comes with the finishing output (loglikelihood clients count it)."""
+    finish, eos = None, None
+    if tokens and tokens[-1] == self.eos_id:
+      finish = "stop"
+      if logprobs is not None:
+        eos = (logprobs[-1], top[-1])
+        logprobs, top = logprobs[:-1], top[:-1]
+      tokens = tokens[:-1]
+    elif request.emitted + len(tokens) >= request.max_tokens:
+      finish = "length"
+    request.emitted += len(tokens)
+    if tokens and not request.cancelled:
+      self._deliver(request, Output(tokens, logprobs, top))
+    if finish:
+      self._finish(slot, finish, eos)
+
+  def _admit(self, request: Request, slot: int) -> None:
+    prompt = np.asarray(request.prompt, np.int32)
+    n = len(prompt)
+    bucket = bucket_length(n, self.max_len)
+    padded = np.full((1, bucket), self.sampler.pad_id, np.int32)
+    padded[0, :n] = prompt
+    settings = (
+      np.float32(request.temperature),
+      np.int32(request.top_k),
+      np.float32(request.top_p),
+      np.uint32(request.seed),
+      np.int32(request.max_tokens),
+      np.bool_(request.logprobs),
+    )
+    program = self._insert_program(request.prompt_logprobs)
+    put = functools.partial(jax.device_put, device=self._replicated)
+    with sharding.activate(self.sampler.mesh, self.sampler.rules):
+      self.state, out = program(
+        self.sampler.params,
+        self.state,
+        put(padded),
+        put(np.int32(n)),
+        put(np.int32(slot)),
+        tuple(put(v) for v in settings),
+      )
+    out = jax.device_get(out)
+    self.stats["requests"] += 1
+    self.stats["prefill_tokens"] += n
+    if request.prompt_logprobs:
+      prompt_top = _pairs(out["prompt_top_ids"][: n - 1], out["prompt_top_values"][: n - 1])
+      output = Output([], prompt_logprobs=out["prompt_logprob"][: n - 1].tolist(), prompt_top_logprobs=prompt_top)
+      if request.max_tokens == 0:
+        output.finish_reason = "length"
+      self._deliver(request, output)
+    if request.max_tokens == 0:
+      request.finished = True
+      self.stats["finished_length"] += 1
+      if not request.prompt_logprobs:
+        self._deliver(request, Output([], finish_reason="length"))
+      return
+    self._slot_requests[slot] = request
+    logprobs = top = None
+    if request.logprobs:
+      logprobs, top = [float(out["logprob"][0])], _pairs(out["top_ids"], out["top_values"])
+    self._hand_out(slot, request, [int(out["token"][0])], logprobs, top)
+
+  def _finish(self, slot: int, reason: str, eos=None) -> None:
+    request = self._slot_requests[slot]
+    self._slot_requests[slot] = None
+    self.stats["finished_" + reason] += 1
+    request.finished = True
+    if reason != "cancelled":
+      output = Output([], finish_reason=reason)
+      if eos is not None:
+        output.eos_logprob, output.eos_top_logprobs = eos
+      self._deliver(request, output)
+
+  # ---- background thread ----
+
+  def start(self) -> Engine:
+    """Runs the scheduler in a daemon thread until `stop`."""
+    if self._thread is None:
+      self._stopping = False
+      self._thread = threading.Thread(target=self._run, name="llama_jax-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    with self._wake:
+      self._stopping = True
+      self._wake.notify()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def _run(self) -> None:
+    while not self._stopping:
+      with self._wake:
+        while not self._stopping and not self._queue and not any(self._slot_requests):
+          self._wake.wait(timeout=1.0)
+      if self._stopping:
+        break
+      try:
+        self.step()
+      except Exception as error:  # noqa: BLE001 (every waiting request must hear of it, then the thread goes on)
+        self._fail_all(error)
+
+  def _fail_all(self, error: Exception) -> None:
+    """An unexpected failure inside a step ends every request in flight and waiting with finish_reason "error" and
+    the message, and starts again from empty slots: the engine keeps serving later requests."""
+    message = f"{type(error).__name__}: {error}"
+    requests = [r for r in self._slot_requests if r is not None] + list(self._queue)
+    self._queue.clear()
+    self._slot_requests = [None] * self.slots
+    with sharding.activate(self.sampler.mesh, self.sampler.rules):
+      self.state = self._empty_state()
+    for request in requests:
+      request.finished = True
+      self._deliver(request, Output([], finish_reason="error", error=message))
+
+  def generate(self, requests: Sequence[Request], timeout: float = 600.0) -> None:
+    """Runs the requests to the end on the calling thread (engine not started): tests and benches."""
+    for request in requests:
+      self.submit(request)
+    deadline = time.monotonic() + timeout
+    while self.pending():
+      if time.monotonic() > deadline:
+        raise EngineError(f"requests still running after {timeout} s")
+      self.step()
+
+
+def _pairs(ids, values) -> list[list[tuple[int, float]]]:
+  return [list(zip(row_ids.tolist(), row_values.tolist())) for row_ids, row_values in zip(ids, values)]
+
+
+class Collector:
+  """An `on_output` that keeps everything a request receives (tests, benches, callers that do not stream)."""
+
+  def __init__(self):
+    self.tokens: list[int] = []
+    self.logprobs: list[float] = []
+    self.top_logprobs: list[list[tuple[int, float]]] = []
+    self.outputs: list[Output] = []
+    self.finish_reason: str | None = None
+    self.done = threading.Event()
+
+  def __call__(self, output: Output) -> None:
+    self.outputs.append(output)
+    self.tokens += output.tokens
+    self.logprobs += output.logprobs or []
+    self.top_logprobs += output.top_logprobs or []
+    if output.finish_reason is not None:
+      self.finish_reason = output.finish_reason
+      self.done.set()
