@@ -30,6 +30,7 @@ from decode import SHAPES
 from flax import nnx
 
 from llama_jax import checkpoint
+from llama_jax.engine import STEPS_PER_CALL
 from llama_jax.model import Llama
 from llama_jax.sample import load_sampler
 
@@ -78,7 +79,7 @@ def sequential(checkpoint_dir: str, prompt_ids: list[list[int]], max_tokens: int
   return dict(tokens=generated, seconds=seconds, tokens_per_s=generated / seconds, ttft=first_token)
 
 
-def start_server(checkpoint_dir: str, port: int, slots: int, max_len: int) -> subprocess.Popen:
+def start_server(checkpoint_dir: str, port: int, slots: int, max_len: int, steps_per_call: int) -> subprocess.Popen:
   command = [
     sys.executable,
     "-m",
@@ -93,6 +94,8 @@ def start_server(checkpoint_dir: str, port: int, slots: int, max_len: int) -> su
     str(max_len),
     "--model_name",
     "bench",
+    "--steps_per_call",
+    str(steps_per_call),
   ]
   server = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   deadline = time.monotonic() + 300
@@ -150,6 +153,7 @@ def main() -> None:
   parser.add_argument("--requests", type=int, default=32)
   parser.add_argument("--max_tokens", type=int, default=64)
   parser.add_argument("--slots", type=int, default=16)
+  parser.add_argument("--steps_per_call", type=int, default=STEPS_PER_CALL)
   parser.add_argument("--tokenizer", default=META_TOKENIZER, help="a 32000-token sentencepiece model")
   parser.add_argument("--port", type=int, default=8765)
   parser.add_argument("--json")
@@ -161,7 +165,7 @@ def main() -> None:
     checkpoint_dir = make_checkpoint(os.path.join(scratch, "stories15M"), args.tokenizer)
     prompt_ids = prompts(args.requests, SHAPES["stories15M"].vocab_size)
     baseline = sequential(checkpoint_dir, prompt_ids, args.max_tokens)
-    server = start_server(checkpoint_dir, args.port, args.slots, 64 + args.max_tokens)
+    server = start_server(checkpoint_dir, args.port, args.slots, 64 + args.max_tokens, args.steps_per_call)
     url = f"http://127.0.0.1:{args.port}"
     try:
       # Warm-up: every prompt bucket compiled once.
@@ -172,7 +176,7 @@ def main() -> None:
       server.wait(30)
   print(
     f"CPU: {cpu_name()} ({os.cpu_count()} cores); stories15M float32 random weights; {args.requests} requests of "
-    f"{args.max_tokens} new tokens; server --slots {args.slots}"
+    f"{args.max_tokens} new tokens; server --slots {args.slots} --steps_per_call {args.steps_per_call}"
   )
   print("| clients | tokens/s | vs sequential | TTFT p50 (ms) | TTFT p95 (ms) | tokens |")
   print("|---|---|---|---|---|---|")

@@ -445,10 +445,11 @@ def serve(args) -> None:
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   api_key = args.api_key or os.environ.get("LLAMA_JAX_API_KEY")
   app = create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
+  seconds = engine.warmup()
   engine.start()
   print(
     f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots × {engine.max_len} tokens"
-    f"{', API key required' if api_key else ''})",
+    f"{', API key required' if api_key else ''}; programs compiled in {seconds:.1f} s)",
     file=sys.stderr,
     flush=True,
   )

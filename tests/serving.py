@@ -52,15 +52,21 @@ def tiny_checkpoint(out_dir: str, tokenizer_path: str, *, vocab_size: int = 512,
 
 
 @contextlib.contextmanager
-def serving(checkpoint_dir: str, *, slots: int = 4, max_len: int = 128, api_key: str | None = None, **app_kwargs):
-  """(url, engine, sampler, tokenizer) of a running server over `checkpoint_dir`; engine and server stop on exit."""
+def serving(
+  checkpoint_dir: str, *, slots: int = 4, max_len: int = 128, api_key: str | None = None, warmup: bool = False, **kw
+):
+  """(url, engine, sampler, tokenizer) of a running server over `checkpoint_dir` (its programs compiled first with
+  `warmup`, as the CLI does); engine and server stop on exit."""
   from llama_jax.engine import Engine
   from llama_jax.sample import load_sampler
   from llama_jax.serve import create_app
 
   sampler, tokenizer = load_sampler(checkpoint_dir)
-  engine = Engine(sampler, slots=slots, max_len=max_len).start()
-  app = create_app(engine, tokenizer, "tiny", api_key=api_key, **app_kwargs)
+  engine = Engine(sampler, slots=slots, max_len=max_len)
+  if warmup:
+    engine.warmup()
+  engine.start()
+  app = create_app(engine, tokenizer, "tiny", api_key=api_key, **kw)
   try:
     with running(app) as url:
       yield url, engine, sampler, tokenizer

@@ -32,6 +32,7 @@ def engine(sampler):
   """4 slots of 96 columns, 3 steps per call (not a divisor of most lengths: requests end mid-call), shared by the
   tests so its programs compile once; each test leaves it idle."""
   engine = Engine(sampler, slots=4, max_len=96, steps_per_call=3)
+  assert engine.warmup() > 0 and engine.pending() == 0  # the tests then run on an engine the warm-up wrote into
   yield engine
   assert engine.pending() == 0
 

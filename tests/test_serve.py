@@ -26,7 +26,8 @@ def checkpoint_dir(tmp_path_factory, small_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
-  with serving.serving(checkpoint_dir, slots=8, max_len=128) as running:
+  # Warmed up: every program compiled before the tests, so the load test's memory rounds see no compilation.
+  with serving.serving(checkpoint_dir, slots=8, max_len=128, warmup=True) as running:
     yield running
 
 
@@ -332,3 +333,71 @@ def test_load_with_concurrent_and_disconnecting_clients(server):
   print(f"resident memory after round 2: {settled:.0f} MiB; round 3 added {grown:+.1f} MiB")
   assert grown < 32, f"resident memory grew {grown:.1f} MiB over one more round of 72 requests"
   assert os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
+
+
+@pytest.mark.parametrize(
+  ("flags", "message"),
+  [
+    (["--slots", "0"], "--slots must be ≥ 1, got 0"),
+    (["--max_len", "100000"], "max_len must be in [2, 256] (the model's max_seq_len), got 100000"),
+    (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+    (["--checkpoint", "/nonexistent"], "/nonexistent"),
+  ],
+)
+def test_cli_bad_flags_are_one_line_exit_2(checkpoint_dir, capsys, flags, message):
+  from llama_jax import serve
+
+  with pytest.raises(SystemExit) as exit_info:
+    serve.main(["--checkpoint", checkpoint_dir, *flags])
+  assert exit_info.value.code == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last.startswith("error: ") and message in last
+
+
+def test_cli_serves_until_interrupted(checkpoint_dir):
+  import signal
+  import subprocess
+  import sys
+
+  from tests.conftest import ROOT
+
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  port = serving.free_port()
+  server = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "llama_jax.serve",
+      "--checkpoint",
+      checkpoint_dir,
+      "--port",
+      str(port),
+      "--slots",
+      "2",
+      "--max_len",
+      "64",
+    ],
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=ROOT,
+    env=env,
+  )
+  try:
+    deadline = time.monotonic() + 300
+    while True:
+      try:
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+        break
+      except httpx.HTTPError:
+        assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+    assert health.json()["model"] == os.path.basename(checkpoint_dir)
+    response = httpx.post(
+      f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=120
+    )
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] > 0
+  finally:
+    server.send_signal(signal.SIGINT)
+    _, stderr = server.communicate(timeout=60)
+  assert server.returncode == 0, stderr
+  assert f"serving 'tiny' on http://127.0.0.1:{port} (2 slots × 64 tokens; programs compiled in" in stderr
