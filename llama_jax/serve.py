@@ -216,7 +216,7 @@ class _Run:
 
   def __init__(self, engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset):
     self.engine, self.tokenizer, self.prompt, self.echo = engine, tokenizer, prompt, echo
-    self.top_n = top_n
+    self.top_n, self.copy = top_n, seed_offset  # copy i of the same prompt (n > 1)
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
     self.request = Request(
       prompt=prompt,
@@ -299,7 +299,7 @@ def _joined(prompt_listing, generated) -> dict:
 
 
 def _usage(runs) -> dict:
-  prompt_tokens = sum(len(run.prompt) for run in runs)
+  prompt_tokens = sum(len(run.prompt) for run in runs if run.copy == 0)  # with n > 1 a prompt counts once
   completion_tokens = sum(run.choice.n_tokens for run in runs)
   return {
     "prompt_tokens": prompt_tokens,

@@ -83,6 +83,23 @@ def test_a_batch_of_prompts_gives_one_choice_each_in_order(server, client):
   assert [c.index for c in response.choices] == [0, 1, 2]
   for prompt, choice in zip(prompts, response.choices):
     assert choice.text == greedy_text(server, tokenizer.encode(prompt, bos=True), 8)[0]
+  assert response.usage.prompt_tokens == sum(len(tokenizer.encode(p, bos=True)) for p in prompts)
+
+
+def test_n_choices_sample_differently_and_count_the_prompt_once(server, client):
+  messages = [{"role": "user", "content": "Speak, sweet."}]
+  kwargs = dict(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=3, n=3)
+  response = client.chat.completions.create(**kwargs)
+  texts = [c.message.content for c in response.choices]
+  assert [c.index for c in response.choices] == [0, 1, 2] and len(set(texts)) == 3
+  from llama_jax import chat
+
+  assert response.usage.prompt_tokens == len(chat.encode_dialog(server[3], messages).tokens)
+  streamed = ["", "", ""]
+  for chunk in client.chat.completions.create(**kwargs, stream=True):
+    for choice in chunk.choices:
+      streamed[choice.index] += choice.delta.content or ""
+  assert streamed == texts
 
 
 def test_chat_completion_uses_the_llama2_template(server, client):
@@ -363,20 +380,9 @@ def test_cli_serves_until_interrupted(checkpoint_dir):
 
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   port = serving.free_port()
+  command = [sys.executable, "-m", "llama_jax.serve", "--checkpoint", checkpoint_dir]
   server = subprocess.Popen(
-    [
-      sys.executable,
-      "-m",
-      "llama_jax.serve",
-      "--checkpoint",
-      checkpoint_dir,
-      "--port",
-      str(port),
-      "--slots",
-      "2",
-      "--max_len",
-      "64",
-    ],
+    command + f"--port {port} --slots 2 --max_len 64".split(),
     stderr=subprocess.PIPE,
     text=True,
     cwd=ROOT,
