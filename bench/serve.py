@@ -22,6 +22,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -109,6 +110,9 @@ def start_server(checkpoint_dir: str, port: int, slots: int, max_len: int, steps
   raise RuntimeError("the server did not start")
 
 
+_local = threading.local()
+
+
 def one_request(url: str, ids: list[int], max_tokens: int) -> tuple[float, int]:
   """(seconds to the first streamed text, tokens generated) of one greedy streamed completion."""
   body = {
@@ -121,7 +125,9 @@ def one_request(url: str, ids: list[int], max_tokens: int) -> tuple[float, int]:
   }
   sent = time.perf_counter()
   first, tokens = None, 0
-  with httpx.Client(timeout=600) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+  if not hasattr(_local, "http"):  # one kept-alive connection per client thread, as a real client holds
+    _local.http = httpx.Client(timeout=600)
+  with _local.http.stream("POST", f"{url}/v1/completions", json=body) as response:
     response.raise_for_status()
     for line in response.iter_lines():
       if not line.startswith("data: ") or line == "data: [DONE]":

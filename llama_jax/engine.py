@@ -1,8 +1,9 @@
 """Continuous batching: a fixed number of decode slots share one KV cache; requests join and leave between steps.
 
-JetStream's shape. A request is prefilled alone (batch 1, its prompt padded to a power-of-two bucket), its keys and
-values are inserted into a free slot's row of the shared cache, and from then on one compiled call runs a short chunk
-of decode steps for every slot at once. Each slot samples with its own temperature, top-k, top-p and seed (arrays in
+JetStream's shape. Requests waiting for free slots are prefilled together (rows padded to a power of two, prompts
+to the longest one's power-of-two bucket, within a token budget), their keys and values are inserted into the free
+slots' rows of the shared cache, and from then on one compiled call runs a short chunk of decode steps for every slot
+at once. Each slot samples with its own temperature, top-k, top-p and seed (arrays in
 the state, so requests with different settings share one program). Between calls the host hands each request its
 new tokens, frees the slots that finished (eos, length, or cancelled by the caller) and admits waiting requests.
 
@@ -40,10 +41,17 @@ TOP_LOGPROBS = 5
 # 2.93× the sequential throughput at 16 clients, 1.15× against 0.89× at one, and a lower time to first token at
 # every load (fewer host round trips; a new request waits at most one call).
 STEPS_PER_CALL = 8
+# Tokens (rows × prompt bucket) one admission call may prefill, by default: waiting requests are prefilled together
+# (16 prompts of ≤ 64 tokens in one call on stories15M) rather than one call each.
+PREFILL_TOKENS = 1024
 
 
 class EngineError(SampleError):
   """A request the engine cannot run (prompt and max_tokens beyond the slots' length, bad sampling values)."""
+
+
+class EngineBusy(EngineError):
+  """The queue of waiting requests is full."""
 
 
 @dataclasses.dataclass
@@ -156,9 +164,9 @@ def _token_logprobs(logits_BV, token_B):
 def _insert(
   params,
   state: SlotState,
-  prompt_1P,
-  length,
-  slot,
+  prompts_BP,
+  lengths_B,
+  slots_B,
   settings,
   *,
   graphdef,
@@ -166,56 +174,69 @@ def _insert(
   score_prompt: bool,
   eos_id: int,
 ):
-  """Prefills one prompt alone, writes its keys and values over `slot`'s row (rolled to end just before the write
-  index) and starts the slot with the first sampled token. `settings` = (temperature, top_k, top_p, seed,
-  max_tokens). Returns the state and the first token's outputs (plus the prompt's, when scoring)."""
+  """Prefills B prompts together (right-padded to one bucket), writes each one's keys and values over its slot's
+  row (rolled to end just before the write index) and starts the slots with their first sampled tokens. A row whose
+  slot is out of range (≥ the number of slots) pads the batch to its power of two and is written nowhere. `settings`
+  = per-row (temperature, top_k, top_p, seed, max_tokens, logprobs). Returns the state and the first tokens'
+  outputs (plus every prompt position's, when scoring)."""
   from flax import nnx
 
-  temperature, top_k, top_p, seed, max_tokens, logprobs = settings
+  temperature_B, top_k_B, top_p_B, seed_B, max_tokens_B, logprobs_B = settings
   model = nnx.merge(graphdef, params)
-  bucket = prompt_1P.shape[1]
+  batch, bucket = prompts_BP.shape
   columns = state.cache.positions.shape[1]
-  positions_1P = jnp.arange(bucket, dtype=jnp.int32)[None]
-  segment_ids_1P = (positions_1P < length).astype(jnp.int32)
-  prefill_cache = KVCache.empty(cfg, 1, bucket, per_layer=True)
-  logits_1PV, prefill_cache = model.decode(prompt_1P, positions_1P, prefill_cache, segment_ids_1P)
-  last_1V = jax.lax.dynamic_slice_in_dim(logits_1PV, length - 1, 1, axis=1)[:, 0]
-  token_1 = sample_rows(last_1V, temperature[None], top_k[None], top_p[None], seed[None], length[None])
-  outputs = dict(zip(("logprob", "top_values", "top_ids"), _token_logprobs(last_1V, token_1)), token=token_1)
+  positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+  segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
+  prefill_cache = KVCache.empty(cfg, batch, bucket, per_layer=True)
+  if score_prompt:  # every position's logits: position t scores prompt token t + 1
+    logits_BPV, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP)
+    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  else:
+    last_B1V, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP, lengths_B - 1)
+    last_BV = last_B1V[:, 0]
+  token_B = sample_rows(last_BV, temperature_B, top_k_B, top_p_B, seed_B, lengths_B)
+  outputs = dict(zip(("logprob", "top_values", "top_ids"), _token_logprobs(last_BV, token_B)), token=token_B)
   if score_prompt:
-    # Position t predicts prompt token t + 1.
-    chosen, top_values, top_ids = _token_logprobs(logits_1PV[0], jnp.roll(prompt_1P[0], -1))
-    outputs.update(prompt_logprob=chosen, prompt_top_values=top_values, prompt_top_ids=top_ids)
+    vocab = logits_BPV.shape[-1]
+    next_BP = jnp.roll(prompts_BP, -1, axis=1)
+    chosen, top_values, top_ids = _token_logprobs(logits_BPV.reshape(batch * bucket, vocab), next_BP.reshape(-1))
+    outputs.update(
+      prompt_logprob=chosen.reshape(batch, bucket),
+      prompt_top_values=top_values.reshape(batch, bucket, TOP_LOGPROBS),
+      prompt_top_ids=top_ids.reshape(batch, bucket, TOP_LOGPROBS),
+    )
 
-  # The prompt's columns end just before the write index: the slot's next step writes at the index.
-  start = (state.cache.index - length) % columns
+  # Each prompt's columns end just before the write index: its slot's next step writes at the index.
+  start_B = (state.cache.index - lengths_B) % columns
+  roll_rows = jax.vmap(lambda row, shift: jnp.roll(row, shift, axis=-2 if row.ndim > 1 else -1))
 
-  def into_row(prefilled_1KPH, row_BKSH):
-    n_kv_heads, head_dim = prefilled_1KPH.shape[1], prefilled_1KPH.shape[3]
-    padded = jnp.zeros((1, n_kv_heads, columns - bucket, head_dim), row_BKSH.dtype)
-    rolled = jnp.roll(jnp.concatenate([prefilled_1KPH.astype(row_BKSH.dtype), padded], axis=2), start, axis=2)
-    return jax.lax.dynamic_update_slice(row_BKSH, rolled, (slot, 0, 0, 0))
+  def into_rows(prefilled_BKPH, rows_SKCH):
+    n_kv_heads, head_dim = prefilled_BKPH.shape[1], prefilled_BKPH.shape[3]
+    padded = jnp.zeros((batch, n_kv_heads, columns - bucket, head_dim), rows_SKCH.dtype)
+    rolled = roll_rows(jnp.concatenate([prefilled_BKPH.astype(rows_SKCH.dtype), padded], axis=2), start_B)
+    return rows_SKCH.at[slots_B].set(rolled, mode="drop")
 
-  empty = jnp.full((1, columns - bucket), EMPTY_POSITION, jnp.int32)
-  row_positions = jnp.roll(jnp.concatenate([prefill_cache.positions, empty], axis=1), start, axis=1)
+  empty = jnp.full((batch, columns - bucket), EMPTY_POSITION, jnp.int32)
+  row_positions = roll_rows(jnp.concatenate([prefill_cache.positions, empty], axis=1), start_B)
   cache = KVCache(
-    k=tuple(into_row(p, r) for p, r in zip(prefill_cache.k, state.cache.k)),
-    v=tuple(into_row(p, r) for p, r in zip(prefill_cache.v, state.cache.v)),
-    positions=jax.lax.dynamic_update_slice(state.cache.positions, row_positions, (slot, 0)),
+    k=tuple(into_rows(p, r) for p, r in zip(prefill_cache.k, state.cache.k)),
+    v=tuple(into_rows(p, r) for p, r in zip(prefill_cache.v, state.cache.v)),
+    positions=state.cache.positions.at[slots_B].set(row_positions, mode="drop"),
     index=state.cache.index,
   )
-  running = (max_tokens > 1) & (token_1[0] != eos_id)
+  running_B = (max_tokens_B > 1) & (token_B != eos_id)
+  put = lambda a, values: a.at[slots_B].set(values.astype(a.dtype), mode="drop")  # noqa: E731
   state = SlotState(
     cache=cache,
-    token=state.token.at[slot].set(token_1[0]),
-    position=state.position.at[slot].set(length),
-    active=state.active.at[slot].set(running),
-    remaining=state.remaining.at[slot].set(max_tokens - 1),
-    temperature=state.temperature.at[slot].set(temperature),
-    top_k=state.top_k.at[slot].set(top_k),
-    top_p=state.top_p.at[slot].set(top_p),
-    seed=state.seed.at[slot].set(seed),
-    logprobs=state.logprobs.at[slot].set(logprobs),
+    token=put(state.token, token_B),
+    position=put(state.position, lengths_B),
+    active=put(state.active, running_B),
+    remaining=put(state.remaining, max_tokens_B - 1),
+    temperature=put(state.temperature, temperature_B),
+    top_k=put(state.top_k, top_k_B),
+    top_p=put(state.top_p, top_p_B),
+    seed=put(state.seed, seed_B),
+    logprobs=put(state.logprobs, logprobs_B),
   )
   return state, outputs
 
@@ -321,6 +342,8 @@ class Engine:
     slots: int = 8,
     max_len: int | None = None,
     steps_per_call: int = STEPS_PER_CALL,
+    max_queue: int = 1024,
+    max_prefill_tokens: int | None = None,
   ):
     self.sampler = sampler
     cfg = sampler.cfg
@@ -332,7 +355,11 @@ class Engine:
       raise EngineError(f"slots must be a positive multiple of the mesh's data axis {data}, got {slots}")
     if steps_per_call < 1:
       raise EngineError(f"steps_per_call must be ≥ 1, got {steps_per_call}")
-    self.slots, self.steps_per_call = slots, steps_per_call
+    self.slots, self.steps_per_call, self.max_queue = slots, steps_per_call, max_queue
+    # Requests waiting together are prefilled in one call while rows × bucket stays within this many tokens (its
+    # activations and attention scores are the prefill's memory); a prompt longer than it is prefilled alone.
+    self.max_prefill_tokens = max_prefill_tokens or max(self.max_len, PREFILL_TOKENS)
+    self.failure: str | None = None
     self.eos_id = sampler.eos_id
     mesh, rules = sampler.mesh, sampler.rules
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -348,6 +375,7 @@ class Engine:
       self.state = self._empty_state()
     self._queue: collections.deque[Request] = collections.deque()
     self._slot_requests: list[Request | None] = [None] * slots
+    self._admitting: list[Request] = []  # popped from the queue, being prefilled
     self._wake = threading.Condition()
     self._thread: threading.Thread | None = None
     self._stopping = False
@@ -383,9 +411,11 @@ class Engine:
     )
 
   def _rows_to_run(self) -> int:
-    """Slots a step runs: the busy ones lie below this power of two (all slots on a data-parallel mesh, whose rows
-    are split over devices)."""
-    if self.sampler.mesh.shape["data"] > 1:
+    """Slots a step runs: the busy ones lie below this power of two. All slots on a data-parallel mesh (rows are
+    split over devices) and with a slot-major cache (TPU), where the first rows are not one contiguous block: the
+    trimmed step copies the busy rows' cache out and back once per call, cheap next to the rows' compute on CPU but
+    not worth strided copies of a large cache."""
+    if self.sampler.mesh.shape["data"] > 1 or self.sampler.cache_layout is not None:
       return self.slots
     highest = max(slot for slot, r in enumerate(self._slot_requests) if r is not None)
     rows = 1
@@ -393,7 +423,7 @@ class Engine:
       rows *= 2
     return min(rows, self.slots)
 
-  @functools.lru_cache(maxsize=16)  # noqa: B019 (one engine, one set of programs)
+  @functools.lru_cache(maxsize=2)  # noqa: B019 (one engine, one set of programs; jit keys each shape itself)
   def _insert_program(self, score_prompt: bool):
     settings = (self._replicated,) * 6
     return jax.jit(
@@ -418,11 +448,15 @@ class Engine:
     if self.pending():
       raise EngineError("warmup() runs before the first request")
     start = time.perf_counter()
-    idle = self._settings(Request([0], 0, lambda _: None))
     bucket = 0
-    while bucket < self.max_len:  # a prompt filling each bucket, max_tokens 0: prefilled, inserted, never run
+    while bucket < self.max_len:  # prompts filling each bucket, max_tokens 0: prefilled, inserted, never run
       bucket = bucket_length(bucket + 1, self.max_len)
-      self._insert_one([self.sampler.pad_id] * bucket, 0, idle, False)
+      idle = Request([self.sampler.pad_id] * bucket, 0, lambda _: None)
+      self._insert_batch([idle], [0], score_prompt=True)  # echo + logprobs (loglikelihood scoring): one at a time
+      rows = 1
+      while rows <= _power_of_two(self.slots) and (rows == 1 or rows * bucket <= self.max_prefill_tokens):
+        self._insert_batch([idle] * rows, list(range(rows)), score_prompt=False)
+        rows *= 2
     rows = 1
     while True:
       self._run_rows(min(rows, self.slots), np.zeros(self.slots, bool))
@@ -451,21 +485,35 @@ class Engine:
       )
     if not request.temperature >= 0:
       raise EngineError(f"temperature must be ≥ 0 (0 = greedy), got {request.temperature}")
-    if request.top_k < 0:
-      raise EngineError(f"top_k must be ≥ 0 (0 = off), got {request.top_k}")
+    if not 0 <= request.top_k <= vocab:
+      raise EngineError(f"top_k must be in [0, {vocab}] (0 = off), got {request.top_k}")
+    if not 0 <= request.seed < 2**32:
+      raise EngineError(f"seed must be in [0, 2**32), got {request.seed}")
     if not 0 < request.top_p <= 1:
       raise EngineError(f"top_p must be in (0, 1], got {request.top_p}")
 
   def submit(self, request: Request) -> Request:
-    """Queues a request (validated first); its outputs arrive through `request.on_output`."""
+    """Queues a request (validated first); its outputs arrive through `request.on_output`. Refused when
+    `max_queue` requests already wait (EngineBusy), or when the engine's thread has died (EngineError)."""
     self.validate(request)
+    if self._thread is not None and not self._thread.is_alive():
+      raise EngineError(f"the engine stopped after an error: {self.failure}")
     with self._wake:
+      if len(self._queue) >= self.max_queue:
+        raise EngineBusy(
+          f"{len(self._queue)} requests are already waiting (the limit is {self.max_queue}); retry later"
+        )
       self._queue.append(request)
       self._wake.notify()
     return request
 
+  def alive(self) -> bool:
+    """False once the scheduler thread has died (started engines only)."""
+    return self._thread is None or self._thread.is_alive()
+
   def cancel(self, request: Request) -> None:
-    """Stops a request (client gone, stop string seen): its slot is freed before the next step; no more outputs."""
+    """Stops a request (client gone, stop string seen): it receives no output from now on (no finish either), and
+    its slot is freed before the next step."""
     request.cancelled = True
     with self._wake:
       self._wake.notify()
@@ -477,11 +525,14 @@ class Engine:
     return len(self._queue)
 
   def pending(self) -> int:
-    """Requests not finished: waiting or in a slot."""
-    return self.queued() + self.busy_slots()
+    """Requests not finished: waiting, being admitted, or in a slot."""
+    return self.queued() + len(self._admitting) + self.busy_slots()
 
   def _deliver(self, request: Request, output: Output) -> None:
-    """Hands an output to its request; a callback that fails cancels that request only."""
+    """Hands an output to its request (none once it is cancelled); a callback that fails cancels that request
+    only."""
+    if request.cancelled:
+      return
     try:
       request.on_output(output)
     except Exception:  # noqa: BLE001 (the caller's callback; other requests must go on)
@@ -498,11 +549,20 @@ class Engine:
         self._finish(slot, "cancelled")
     admitted = False
     while self._queue and None in self._slot_requests:
-      request = self._queue.popleft()
-      if request.cancelled:
-        continue
-      self._admit(request, self._slot_requests.index(None))
-      admitted = True
+      self._admitting = self._next_admissions()
+      try:
+        if self._admitting:
+          self._admit(self._admitting)
+      except Exception as error:  # noqa: BLE001 (these requests fail; the others, and the slots, go on)
+        for request in self._admitting:
+          slot = next((i for i, r in enumerate(self._slot_requests) if r is request), None)
+          if slot is not None:
+            self._slot_requests[slot] = None
+          if not request.finished:
+            self._fail(request, error)
+      finally:
+        admitted = admitted or bool(self._admitting)
+        self._admitting = []
     if not any(r is not None for r in self._slot_requests):
       return admitted
     busy = np.asarray([r is not None for r in self._slot_requests])
@@ -546,56 +606,87 @@ class Engine:
     if finish:
       self._finish(slot, finish, eos)
 
-  def _settings(self, request: Request) -> tuple:
-    return (
-      np.float32(request.temperature),
-      np.int32(request.top_k),
-      np.float32(request.top_p),
-      np.uint32(request.seed),
-      np.int32(request.max_tokens),
-      np.bool_(request.logprobs),
-    )
+  def _next_admissions(self) -> list[Request]:
+    """The waiting requests to prefill together, first come first: as many as there are free slots while rows
+    (padded to a power of two) × bucket stays within max_prefill_tokens. A request scoring its prompt goes alone
+    (its prefill returns every position's log-probabilities, not only the last one's)."""
+    free = self._slot_requests.count(None)
+    batch, longest = [], 0
+    while self._queue and len(batch) < free:
+      request = self._queue[0]
+      if request.cancelled:
+        self._queue.popleft()
+        continue
+      if batch and (request.prompt_logprobs or batch[0].prompt_logprobs):
+        break
+      n = max(longest, len(request.prompt))
+      if batch and _power_of_two(len(batch) + 1) * bucket_length(n, self.max_len) > self.max_prefill_tokens:
+        break
+      batch.append(self._queue.popleft())
+      longest = n
+    return batch
 
-  def _insert_one(self, prompt: Sequence[int], slot: int, settings: tuple, score_prompt: bool) -> dict:
-    """Prefills `prompt` into `slot` (its bucket's program); the first token's (and the prompt's) outputs on the
-    host."""
-    n = len(prompt)
-    padded = np.full((1, bucket_length(n, self.max_len)), self.sampler.pad_id, np.int32)
-    padded[0, :n] = prompt
+  def _insert_batch(self, requests: Sequence[Request], slots: Sequence[int], score_prompt: bool) -> dict:
+    """Prefills the requests' prompts into their slots in one call (rows padded to a power of two, prompts to
+    their bucket); the first tokens' (and the prompts') outputs on the host, one row per request."""
+    rows = _power_of_two(len(requests))
+    lengths = [len(r.prompt) for r in requests]
+    prompts = np.full((rows, bucket_length(max(lengths), self.max_len)), self.sampler.pad_id, np.int32)
+    for row, request in enumerate(requests):
+      prompts[row, : lengths[row]] = request.prompt
+    pad = rows - len(requests)
+    column = lambda values, dtype, fill: np.asarray(list(values) + [fill] * pad, dtype)  # noqa: E731
+    settings = (
+      column((r.temperature for r in requests), np.float32, 0),
+      column((r.top_k for r in requests), np.int32, 0),
+      column((r.top_p for r in requests), np.float32, 1),
+      column((r.seed for r in requests), np.uint32, 0),
+      column((r.max_tokens for r in requests), np.int32, 0),
+      column((r.logprobs for r in requests), bool, False),
+    )
     put = functools.partial(jax.device_put, device=self._replicated)
     with sharding.activate(self.sampler.mesh, self.sampler.rules):
       self.state, out = self._insert_program(score_prompt)(
         self.sampler.params,
         self.state,
-        put(padded),
-        put(np.int32(n)),
-        put(np.int32(slot)),
+        put(prompts),
+        put(column(lengths, np.int32, 1)),
+        put(column(slots, np.int32, self.slots)),  # padding rows: a slot past the last, written nowhere
         tuple(put(v) for v in settings),
       )
     return jax.device_get(out)
 
-  def _admit(self, request: Request, slot: int) -> None:
-    n = len(request.prompt)
-    out = self._insert_one(request.prompt, slot, self._settings(request), request.prompt_logprobs)
-    self.stats["requests"] += 1
-    self.stats["prefill_tokens"] += n
-    if request.prompt_logprobs:
-      prompt_top = _pairs(out["prompt_top_ids"][: n - 1], out["prompt_top_values"][: n - 1])
-      output = Output([], prompt_logprobs=out["prompt_logprob"][: n - 1].tolist(), prompt_top_logprobs=prompt_top)
+  def _admit(self, requests: Sequence[Request]) -> None:
+    """Prefills the requests into free slots and hands out their first tokens (a max_tokens 0 request ends
+    there, with its prompt's log-probabilities when asked)."""
+    slots = [slot for slot, r in enumerate(self._slot_requests) if r is None][: len(requests)]
+    out = self._insert_batch(requests, slots, score_prompt=requests[0].prompt_logprobs)
+    self.stats["prefill_calls"] += 1
+    for row, (request, slot) in enumerate(zip(requests, slots)):
+      n = len(request.prompt)
+      self.stats["requests"] += 1
+      self.stats["prefill_tokens"] += n
+      if request.prompt_logprobs:
+        prompt_top = _pairs(out["prompt_top_ids"][row, : n - 1], out["prompt_top_values"][row, : n - 1])
+        prompt_logprobs = out["prompt_logprob"][row, : n - 1].tolist()
+        output = Output([], prompt_logprobs=prompt_logprobs, prompt_top_logprobs=prompt_top)
+        if request.max_tokens == 0:
+          output.finish_reason = "length"
+        self._deliver(request, output)
       if request.max_tokens == 0:
-        output.finish_reason = "length"
-      self._deliver(request, output)
-    if request.max_tokens == 0:
-      request.finished = True
-      self.stats["finished_length"] += 1
-      if not request.prompt_logprobs:
-        self._deliver(request, Output([], finish_reason="length"))
-      return
-    self._slot_requests[slot] = request
-    logprobs = top = None
-    if request.logprobs:
-      logprobs, top = [float(out["logprob"][0])], _pairs(out["top_ids"], out["top_values"])
-    self._hand_out(slot, request, [int(out["token"][0])], logprobs, top)
+        request.finished = True
+        self.stats["finished_length"] += 1
+        if not request.prompt_logprobs:
+          self._deliver(request, Output([], finish_reason="length"))
+        continue
+      self._slot_requests[slot] = request
+      logprobs = top = None
+      if request.logprobs:
+        logprobs, top = (
+          [float(out["logprob"][row])],
+          _pairs(out["top_ids"][row : row + 1], out["top_values"][row : row + 1]),
+        )
+      self._hand_out(slot, request, [int(out["token"][row])], logprobs, top)
 
   def _finish(self, slot: int, reason: str, eos=None) -> None:
     request = self._slot_requests[slot]
@@ -635,21 +726,33 @@ class Engine:
         break
       try:
         self.step()
-      except Exception as error:  # noqa: BLE001 (every waiting request must hear of it, then the thread goes on)
-        self._fail_all(error)
+      except Exception as error:  # noqa: BLE001 (every running request must hear of it, then the thread goes on)
+        try:
+          self._fail_all(error)
+        except Exception as fatal:  # noqa: BLE001 (the slots cannot be rebuilt: fail what waits and stop)
+          self.failure = f"{type(fatal).__name__}: {fatal}"
+          with self._wake:
+            waiting = list(self._queue)
+            self._queue.clear()
+          for request in waiting:
+            self._fail(request, fatal)
+          return
+
+  def _fail(self, request: Request, error: Exception) -> None:
+    self.stats["finished_error"] += 1
+    request.finished = True
+    self._deliver(request, Output([], finish_reason="error", error=f"{type(error).__name__}: {error}"))
 
   def _fail_all(self, error: Exception) -> None:
-    """An unexpected failure inside a step ends every request in flight and waiting with finish_reason "error" and
-    the message, and starts again from empty slots: the engine keeps serving later requests."""
-    message = f"{type(error).__name__}: {error}"
-    requests = [r for r in self._slot_requests if r is not None] + list(self._queue)
-    self._queue.clear()
+    """An unexpected failure inside a step ends every request in a slot with finish_reason "error" and the message,
+    and starts again from empty slots (queued requests wait for them): the engine keeps serving."""
+    running = [r for r in self._slot_requests if r is not None]
     self._slot_requests = [None] * self.slots
+    self.state = None  # the old cache is freed before the new one is made
     with sharding.activate(self.sampler.mesh, self.sampler.rules):
       self.state = self._empty_state()
-    for request in requests:
-      request.finished = True
-      self._deliver(request, Output([], finish_reason="error", error=message))
+    for request in running:
+      self._fail(request, error)
 
   def generate(self, requests: Sequence[Request], timeout: float = 600.0) -> None:
     """Runs the requests to the end on the calling thread (engine not started): tests and benches."""
@@ -660,6 +763,10 @@ class Engine:
       if time.monotonic() > deadline:
         raise EngineError(f"requests still running after {timeout} s")
       self.step()
+
+
+def _power_of_two(n: int) -> int:
+  return 1 << (n - 1).bit_length()
 
 
 def _pairs(ids, values) -> list[list[tuple[int, float]]]:

@@ -117,8 +117,8 @@ def prefill(
   batch, bucket = prompts_BP.shape
   positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
   segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
-  logits_BPV, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP)
-  last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  last_B1V, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP, logits_at_B=lengths_B - 1)
+  last_BV = last_B1V[:, 0]
   rng, step_rng = jax.random.split(jax.random.key(seed))
   token_B = next_token(last_BV, step_rng, sampling)
   tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)

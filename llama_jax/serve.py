@@ -33,9 +33,10 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from llama_jax import inference
 from llama_jax.cli import ArgumentParser
-from llama_jax.engine import STEPS_PER_CALL, Engine, EngineError, Output, Request
+from llama_jax.engine import PREFILL_TOKENS, STEPS_PER_CALL, Engine, EngineBusy, EngineError, Output, Request
 from llama_jax.errors import run_or_exit
 from llama_jax.serve_protocol import (
+  MAX_CHOICES,
   ApiError,
   Choice,
   parse_logprobs,
@@ -49,15 +50,39 @@ DEFAULT_MAX_BODY_MB = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
+def error_response(error: ApiError) -> JSONResponse:
+  headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+  return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _Guard:
+  """The key (when one is set) and the body size, checked before any handler reads the body. Plain ASGI, not
+  Starlette's BaseHTTPMiddleware, under which a handler never sees its client disconnect."""
+
+  def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+      error = None
+      if self.api_key and scope["path"].startswith("/v1/"):
+        if headers.get("authorization", "") != f"Bearer {self.api_key}":
+          error = ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+      length = headers.get("content-length")
+      if error is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        message = f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes"
+        error = ApiError(413, message, code="too_large")
+      if error is not None:
+        return await error_response(error)(scope, receive, send)
+    return await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None, max_body_bytes: int = 0):
   """The FastAPI application (the engine must be started by the caller, or by `serve`)."""
   app = FastAPI(title="llama_jax", docs_url=None, redoc_url=None, openapi_url=None)
   created = int(time.time())
   max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_MB * 2**20
-
-  def error_response(error: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
   @app.exception_handler(ApiError)
   async def _api_error(_, error: ApiError):
@@ -68,25 +93,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
     return error_response(ApiError(error.status_code, str(error.detail), code=code))
 
+  @app.exception_handler(Exception)
+  async def _bug(_, error: Exception):  # a bug, not bad input: still an answer a client can read
+    return error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error"))
+
   @app.exception_handler(RequestValidationError)
   async def _validation_error(_, error: RequestValidationError):
     return error_response(ApiError(400, str(error), code="invalid_request"))
-
-  @app.middleware("http")
-  async def _guard(request: HttpRequest, call_next):
-    """The key (when one is set) and the body size, before any handler reads the body."""
-    path = request.url.path
-    if api_key and path.startswith("/v1/"):
-      if request.headers.get("authorization", "") != f"Bearer {api_key}":
-        return error_response(
-          ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
-        )
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-      return error_response(
-        ApiError(413, f"request body of {length} bytes exceeds the limit of {max_body_bytes} bytes", code="too_large")
-      )
-    return await call_next(request)
 
   async def read_json(request: HttpRequest) -> dict:
     body = b""
@@ -96,7 +109,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
         raise ApiError(413, f"request body exceeds the limit of {max_body_bytes} bytes", code="too_large")
     try:
       value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, integers past Python's digit limit, nesting
       raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(value, dict):
       raise ApiError(400, "the body must be a JSON object", code="invalid_json")
@@ -109,6 +122,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
 
   @app.get("/health")
   async def health():
+    if not engine.alive():
+      return JSONResponse({"status": "error", "error": engine.failure}, status_code=503)
     return {
       "status": "ok",
       "model": model_name,
@@ -139,7 +154,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
   @app.post("/v1/completions")
   async def completions(request: HttpRequest):
     body = await read_json(request)
-    sampling = parse_sampling(body, engine.max_len)
+    sampling = parse_sampling(body, engine.max_len, tokenizer.vocab_size, chat_api=False)
     prompts = parse_prompts(body, tokenizer)
     top_n = parse_logprobs(body, chat_api=False)
     echo = body.get("echo", False)
@@ -152,6 +167,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
       raise ApiError(
         400, "max_tokens: must be ≥ 1 unless echo is true (0 scores the prompt)", "max_tokens", "invalid_value"
       )
+    if len(prompts) * sampling.n > MAX_CHOICES:
+      message = f"n: {len(prompts)} prompts × n {sampling.n} is more than the {MAX_CHOICES} choices of one request"
+      raise ApiError(400, message, "n", "invalid_value")
     jobs = [(i, prompt) for prompt in prompts for i in range(sampling.n)]
     runs = [_Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset=i) for i, prompt in jobs]
     _check_context(engine, runs)
@@ -160,7 +178,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
   @app.post("/v1/chat/completions")
   async def chat_completions(request: HttpRequest):
     body = await read_json(request)
-    sampling = parse_sampling(body, engine.max_len)
+    sampling = parse_sampling(body, engine.max_len, tokenizer.vocab_size, chat_api=True)
     prompt = parse_messages(body, tokenizer)
     top_n = parse_logprobs(body, chat_api=True)
     max_tokens = sampling.max_tokens
@@ -176,8 +194,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
     response_id = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
     kind = "chat.completion" if chat_api else "text_completion"
     loop = asyncio.get_running_loop()
-    for run in runs:
-      run.start(loop)
+    try:
+      for run in runs:
+        run.start(loop)
+    except EngineError as error:  # the queue is full, or the engine has stopped: nothing of this request runs
+      for run in runs:
+        run.cancel()
+      raise ApiError(503, str(error), code="overloaded" if isinstance(error, EngineBusy) else "engine_error") from None
     if sampling.stream:
       events = _stream(runs, response_id, kind, chat_api, model_name, sampling.include_usage)
       return StreamingResponse(_sse(events, runs, engine), media_type="text/event-stream")
@@ -199,6 +222,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
       "usage": _usage(runs),
     }
 
+  app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
   return app
 
 
@@ -308,18 +332,25 @@ def _usage(runs) -> dict:
   }
 
 
+DISCONNECT_CHECK_S = 0.5
+
+
 async def _wait_all(http_request, runs) -> None:
-  """Until every run has finished; a client that goes away cancels them."""
+  """Until every run has finished; a client that goes away (checked every DISCONNECT_CHECK_S, whether or not
+  tokens arrive) makes this return, and the caller cancels the runs."""
+  checked = time.monotonic()
   for run in runs:
     while True:
       try:
-        output = await asyncio.wait_for(run.queue.get(), timeout=1.0)
+        output = await asyncio.wait_for(run.queue.get(), timeout=DISCONNECT_CHECK_S)
       except asyncio.TimeoutError:
+        output = None
+      if output is not None and run.take(output):
+        break
+      if time.monotonic() - checked >= DISCONNECT_CHECK_S:
+        checked = time.monotonic()
         if await http_request.is_disconnected():
           return
-        continue
-      if run.take(output):
-        break
 
 
 async def _stream(runs, response_id, kind, chat_api, model_name, include_usage) -> AsyncIterator[dict]:
@@ -364,26 +395,26 @@ async def _stream(runs, response_id, kind, chat_api, model_name, include_usage) 
           }
           return
         text = run.choice.new_text(final=finished)
-        logprobs = None
+        first = run.echo and not echoed[index]
+        if first:
+          text = run.prefix_text + text
+        logprobs, sent = None, sent_logprobs[index]
         if run.top_n is not None:
           listing = run.choice.logprobs
-          # Only the tokens whose text is out; with a stop string, the list was cut to match.
+          # Only the tokens whose text is out (all at the end, the eos entry included); a stop string cut the list.
           upto = len(listing.tokens) if finished else _tokens_within(listing, run.choice.text_offset + run.choice.sent)
-          if chat_api:
-            logprobs = listing.chat_since(sent_logprobs[index]) if upto > sent_logprobs[index] else None
-            if logprobs:
-              logprobs["content"] = logprobs["content"][: upto - sent_logprobs[index]]
-          else:
-            part = listing.since(sent_logprobs[index])
-            logprobs = {name: values[: upto - sent_logprobs[index]] for name, values in part.items()}
-            if run.prompt_listing is not None and not echoed[index]:
-              logprobs = _joined(run.prompt_listing, _Listing(logprobs))
-          sent_logprobs[index] = max(upto, sent_logprobs[index])
-        if run.echo and not echoed[index]:
-          text = run.prefix_text + text
-          echoed[index] = True
-        if text or (logprobs and not chat_api):
+          if upto > sent or (first and run.prompt_listing is not None):
+            if chat_api:
+              logprobs = {"content": listing.chat_since(sent)["content"][: upto - sent]}
+            else:
+              logprobs = {name: values[: upto - sent] for name, values in listing.since(sent).items()}
+              if first and run.prompt_listing is not None:
+                logprobs = _joined(run.prompt_listing, _Listing(logprobs))
+            sent = upto
+        if text or logprobs:
           yield chunk(index, text, logprobs=logprobs)
+          sent_logprobs[index] = sent
+          echoed[index] = echoed[index] or first
         if finished:
           yield chunk(index, "", finish_reason=run.finish_reason)
         else:
@@ -436,12 +467,23 @@ def serve(args) -> None:
 
   if args.slots < 1:
     raise EngineError(f"--slots must be ≥ 1, got {args.slots}")
+  if args.max_queue < 0:
+    raise EngineError(f"--max_queue must be ≥ 0, got {args.max_queue}")
+  if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
+    raise EngineError(f"--max_prefill_tokens must be ≥ 1, got {args.max_prefill_tokens}")
   if not 0 < args.port < 65536:
     raise EngineError(f"--port must be in [1, 65535], got {args.port}")
   mesh = inference.decode_mesh(args.mesh)
   sampler, tokenizer = load_sampler(args.checkpoint, mesh, args.dtype, args.quantize)
   report_placement(sampler)
-  engine = Engine(sampler, slots=args.slots, max_len=args.max_len, steps_per_call=args.steps_per_call)
+  engine = Engine(
+    sampler,
+    slots=args.slots,
+    max_len=args.max_len,
+    steps_per_call=args.steps_per_call,
+    max_queue=args.max_queue,
+    max_prefill_tokens=args.max_prefill_tokens,
+  )
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   api_key = args.api_key or os.environ.get("LLAMA_JAX_API_KEY")
   app = create_app(engine, tokenizer, name, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
@@ -468,6 +510,14 @@ def add_serve_flags(parser) -> None:
   parser.add_argument("--slots", type=int, default=8, help="requests decoded together (one KV cache row each)")
   parser.add_argument("--max_len", type=int, help="tokens per slot, prompt + completion (default: max_seq_len)")
   parser.add_argument("--steps_per_call", type=int, default=STEPS_PER_CALL, help="decode steps per compiled call")
+  parser.add_argument(
+    "--max_prefill_tokens",
+    type=int,
+    help=f"rows × prompt bucket prefilled in one call (default: max_len or {PREFILL_TOKENS}, the larger)",
+  )
+  parser.add_argument(
+    "--max_queue", type=int, default=1024, help="requests waiting for a slot before new ones get 503 (overloaded)"
+  )
   parser.add_argument("--api_key", help="require 'Authorization: Bearer KEY' (or set LLAMA_JAX_API_KEY)")
   parser.add_argument("--model_name", help="the model id clients use (default: the checkpoint's directory name)")
   parser.add_argument("--max_body_mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body accepted")

@@ -17,8 +17,9 @@ from typing import Any
 from llama_jax import chat
 from llama_jax.engine import TOP_LOGPROBS
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
-MAX_CHOICES = 16  # n × prompts per request: each is one engine request
+# OpenAI allows 4; lm-eval sends a task's whole `until` list plus eos to /v1/completions (6 for humaneval).
+MAX_STOP_STRINGS = 16
+MAX_CHOICES = 64  # prompts × n of one request: each is one engine request
 
 
 class ApiError(Exception):
@@ -47,7 +48,7 @@ def _number(body: dict, name: str, default, *, integer: bool, low=None, high=Non
   if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
     kind = "an integer" if integer else "a number"
     raise bad_value(name, f"must be {kind}, got {json_repr(value)}")
-  if not math.isfinite(value):
+  if isinstance(value, float) and not math.isfinite(value):  # (an int of any size compares without overflow)
     raise bad_value(name, f"must be finite, got {value}")
   below = value <= low if low_open else value < low if low is not None else False
   if below or (high is not None and value > high):
@@ -86,13 +87,25 @@ class Sampling:
   n: int
 
 
-def parse_sampling(body: dict, max_len: int) -> Sampling:
+# Fields of OpenAI's API this server does not implement, refused unless given their neutral value.
+UNSUPPORTED = {
+  "best_of": (1,),
+  "tools": ([],),
+  "functions": ([],),
+  "tool_choice": ("none",),
+  "response_format": ({"type": "text"},),
+  "logit_bias": ({},),
+}
+
+
+def parse_sampling(body: dict, max_len: int, vocab_size: int, *, chat_api: bool) -> Sampling:
   for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
     if body.get(name) not in (None, neutral, 0.0):
       _number(body, name, 0, integer=False, low=-2, high=2)
       raise bad_value(name, f"is not supported by this server; only {neutral} is accepted")
-  if body.get("logit_bias") not in (None, {}):
-    raise bad_value("logit_bias", "is not supported by this server")
+  for name, neutral in UNSUPPORTED.items():
+    if body.get(name) is not None and body[name] not in neutral:
+      raise bad_value(name, "is not supported by this server")
   stop = body.get("stop")
   if stop is None:
     stop = []
@@ -103,9 +116,12 @@ def parse_sampling(body: dict, max_len: int) -> Sampling:
   options = body.get("stream_options")
   if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
     raise bad_value("stream_options", 'must be an object like {"include_usage": true}')
-  top_k = _number(body, "top_k", 0, integer=True, low=-1, high=None)
+  top_k = _number(body, "top_k", 0, integer=True, low=-1, high=vocab_size)
+  max_tokens = _number(body, "max_tokens", None, integer=True, low=0, high=max_len)
+  if chat_api and body.get("max_completion_tokens") is not None:  # the newer name of max_tokens in chat
+    max_tokens = _number(body, "max_completion_tokens", None, integer=True, low=0, high=max_len)
   return Sampling(
-    max_tokens=_number(body, "max_tokens", None, integer=True, low=0, high=max_len),
+    max_tokens=max_tokens,
     temperature=float(_number(body, "temperature", 1.0, integer=False, low=0, high=2)),
     top_p=float(_number(body, "top_p", 1.0, integer=False, low=0, high=1, low_open=True)),
     top_k=max(top_k, 0),  # -1 means off, as in vLLM
@@ -124,7 +140,7 @@ def parse_prompts(body: dict, tokenizer) -> list[list[int]]:
   if isinstance(prompt, str):
     prompts = [prompt]
   elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-    return [list(prompt)]
+    prompts = [prompt]  # one prompt of token ids
   elif isinstance(prompt, list) and prompt:
     prompts = prompt
   else:
@@ -134,7 +150,7 @@ def parse_prompts(body: dict, tokenizer) -> list[list[int]]:
     if isinstance(item, str):
       if not item:
         raise bad_value("prompt", f"prompt {i} is empty")
-      encoded.append(tokenizer.encode(item, bos=True))
+      encoded.append(encode(tokenizer, item, "prompt", bos=True))
     elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
       encoded.append(list(item))
     else:
@@ -143,7 +159,17 @@ def parse_prompts(body: dict, tokenizer) -> list[list[int]]:
     for token in ids:
       if not 0 <= token < tokenizer.vocab_size:
         raise bad_value("prompt", f"prompt {i} has token id {token} outside the vocabulary [0, {tokenizer.vocab_size})")
+  if len(encoded) > MAX_CHOICES:
+    raise bad_value("prompt", f"at most {MAX_CHOICES} prompts per request, got {len(encoded)}")
   return encoded
+
+
+def encode(tokenizer, text: str, param: str, bos: bool = False) -> list[int]:
+  """Token ids of request text; text the tokenizer cannot take (a lone UTF-16 surrogate) is a 400."""
+  try:
+    return tokenizer.encode(text, bos=bos)
+  except (RuntimeError, UnicodeError) as error:
+    raise bad_value(param, f"the text cannot be encoded: {error}") from None
 
 
 def parse_messages(body: dict, tokenizer) -> list[int]:
@@ -166,6 +192,8 @@ def parse_messages(body: dict, tokenizer) -> list[int]:
     chat.check_conversation(plain, for_training=False)
   except chat.ConversationError as error:
     raise bad_value("messages", str(error)) from None
+  for message in plain:
+    encode(tokenizer, message["content"], "messages")  # text the tokenizer refuses is the client's error
   return chat.encode_dialog(tokenizer, plain).tokens
 
 
@@ -192,6 +220,9 @@ class Detokenizer:
     self.ids = list(ids)
     self.prefix = max(len(self.ids) - self.CONTEXT, 0)
     self.read = len(self.ids)
+    # Ids that end inside a character (token-id prompts may) are read again with the tokens that complete it.
+    while self.read > self.prefix and tokenizer.decode(self.ids[self.prefix : self.read]).endswith("\ufffd"):
+      self.read -= 1
 
   def add(self, token: int) -> str:
     """Appends one token; returns the new text it completes ("" while a character is unfinished)."""
@@ -241,10 +272,9 @@ class Choice:
       self.n_tokens += 1
       if self.logprobs is not None:
         self.logprobs.append(token, piece, self.text_offset + start, logprobs[i], top_logprobs[i])
-      for s in self.stop:
-        at = self.text.find(s, max(start - len(s) + 1, 0))
-        if at >= 0:
-          self.text, self.stopped = self.text[:at], True
+      found = [at for s in self.stop if (at := self.text.find(s, max(start - len(s) + 1, 0))) >= 0]
+      if found:  # the stop string that begins first wins
+        self.text, self.stopped = self.text[: min(found)], True
       if self.stopped and self.logprobs is not None:
         self.logprobs.cut(self.text_offset + len(self.text))
 

@@ -53,7 +53,14 @@ def tiny_checkpoint(out_dir: str, tokenizer_path: str, *, vocab_size: int = 512,
 
 @contextlib.contextmanager
 def serving(
-  checkpoint_dir: str, *, slots: int = 4, max_len: int = 128, api_key: str | None = None, warmup: bool = False, **kw
+  checkpoint_dir: str,
+  *,
+  slots: int = 4,
+  max_len: int = 128,
+  api_key: str | None = None,
+  warmup: bool = False,
+  engine_kwargs: dict | None = None,
+  **kw,
 ):
   """(url, engine, sampler, tokenizer) of a running server over `checkpoint_dir` (its programs compiled first with
   `warmup`, as the CLI does); engine and server stop on exit."""
@@ -62,7 +69,7 @@ def serving(
   from llama_jax.serve import create_app
 
   sampler, tokenizer = load_sampler(checkpoint_dir)
-  engine = Engine(sampler, slots=slots, max_len=max_len)
+  engine = Engine(sampler, slots=slots, max_len=max_len, **(engine_kwargs or {}))
   if warmup:
     engine.warmup()
   engine.start()

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from llama_jax.config import ModelConfig
-from llama_jax.engine import Collector, Engine, EngineError, Request, filter_rows, sample_rows
+from llama_jax.engine import Collector, Engine, EngineBusy, EngineError, Request, filter_rows, sample_rows
 from llama_jax.model import Llama
 from llama_jax.sample import Sampler, SamplingConfig, filter_logits
 
@@ -196,3 +196,42 @@ def test_the_engine_thread_serves_submissions_from_other_threads(sampler, engine
     assert [c.tokens for c in collectors] == [sampler.generate([p], 88)[0][:10] for p in prompts]
   finally:
     engine.stop()
+
+
+def test_a_full_queue_refuses_more_requests(sampler):
+  engine = Engine(sampler, slots=2, max_len=96, max_queue=1)
+  engine.submit(Request([5, 6], 4, Collector()))
+  with pytest.raises(EngineBusy, match=r"1 requests are already waiting \(the limit is 1\)"):
+    engine.submit(Request([5, 6], 4, Collector()))
+
+
+def test_waiting_requests_are_prefilled_together_and_decode_as_they_would_alone(sampler, engine):
+  """Four requests queued at once (1–39 prompt tokens, one seeded sampling request among greedy ones) enter the four
+  slots in one prefill call of 4 rows × the longest prompt's bucket; each output equals its request run alone."""
+  prompts = random_prompts(4, seed=7)
+  settings = [{}, dict(temperature=0.9, top_k=20, seed=11), {}, {}]
+  alone = []
+  for prompt, extra in zip(prompts, settings):
+    before = engine.stats["prefill_calls"]
+    alone.append(run(engine, [prompt], [30], **extra)[0].tokens)
+    assert engine.stats["prefill_calls"] - before == 1
+  assert alone[0] == sampler.generate([prompts[0]], 30)[0]
+  collectors = [Collector() for _ in prompts]
+  before = engine.stats["prefill_calls"]
+  engine.generate([Request(p, 30, c, **extra) for p, c, extra in zip(prompts, collectors, settings)])
+  assert engine.stats["prefill_calls"] - before == 1
+  assert [c.tokens for c in collectors] == alone
+
+
+def test_admission_batches_respect_free_slots_the_prefill_budget_and_scoring_requests(sampler):
+  engine = Engine(sampler, slots=4, max_len=96, max_prefill_tokens=64)
+  lengths = [10, 10, 40, 5, 5, 5, 5, 5]
+  requests = [Request([5] * n, 4, Collector()) for n in lengths]
+  requests[3].prompt_logprobs = True
+  engine._queue.extend(requests)
+  # 2 rows × bucket 16 fit in 64 tokens, a third row (4 × bucket 64) does not; the long prompt goes alone; a scoring
+  # request alone; then as many as the 4 free slots.
+  assert [len(engine._next_admissions()) for _ in range(4)] == [2, 1, 1, 4]
+  engine._slot_requests = [None, requests[0], requests[1], requests[2]]  # one slot free
+  engine._queue.extend([Request([5] * 3, 4, Collector()) for _ in range(2)])
+  assert len(engine._next_admissions()) == 1

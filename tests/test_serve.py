@@ -195,12 +195,30 @@ BATTERY = [
   ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p: must be in (0, 1], got 0"),
   ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature: must be in [0, 2]"),
   ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature: must be a number"),
-  ("completions", {"prompt": "hi", "top_k": -5}, 400, "top_k: must be in [-1, inf]"),
+  ("completions", {"prompt": "hi", "top_k": -5}, 400, "top_k: must be in [-1, 512], got -5"),
   ("completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs: must be in [0, 5]"),
   ("completions", {"prompt": "hi", "stop": 3}, 400, "stop: must be a non-empty string"),
-  ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+  ("completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "at most 16"),
+  ("completions", {"prompt": "hi", "top_k": 10**6}, 400, "top_k: must be in [-1, 512]"),
+  ("completions", {"prompt": "hi", "max_tokens": 10**400}, 400, "max_tokens: must be in [0, 128]"),
+  ("completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt: the text cannot be encoded"),
+  ("completions", {"prompt": ["hi"] * 65}, 400, "at most 64 prompts per request"),
+  ("completions", {"prompt": ["hi"] * 8, "n": 9}, 400, "8 prompts × n 9 is more than the 64 choices"),
+  ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of: is not supported"),
+  (
+    "chat/completions",
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+    400,
+    "tools: is not supported",
+  ),
+  (
+    "chat/completions",
+    {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500},
+    400,
+    "max_completion_tokens: must be in [0, 128]",
+  ),
   ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream: must be true or false"),
-  ("completions", {"prompt": "hi", "n": 0}, 400, "n: must be in [1, 16]"),
+  ("completions", {"prompt": "hi", "n": 0}, 400, "n: must be in [1, 64]"),
   ("completions", {"prompt": "hi", "seed": -1}, 400, "seed: must be in [0, 4294967295]"),
   ("completions", {"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty: is not supported"),
   ("completions", {"prompt": "x " * 200, "max_tokens": 16}, 400, "exceeds the context length 128"),
@@ -407,3 +425,67 @@ def test_cli_serves_until_interrupted(checkpoint_dir):
     _, stderr = server.communicate(timeout=60)
   assert server.returncode == 0, stderr
   assert f"serving 'tiny' on http://127.0.0.1:{port} (2 slots × 64 tokens; programs compiled in" in stderr
+
+
+def test_the_earliest_stop_string_wins_whatever_their_order(server):
+  from llama_jax.serve_protocol import Choice
+
+  tokenizer = server[3]
+  ids = tokenizer.encode("hello world foo")
+  for stops in (["world", "lo w"], ["lo w", "world"]):
+    choice = Choice(tokenizer, [], stops, None)
+    choice.add(ids)
+    assert (choice.text, choice.stopped) == ("hel", True)
+
+
+def test_a_token_prompt_ending_inside_a_character_loses_no_text(server):
+  from llama_jax.serve_protocol import Detokenizer
+
+  tokenizer = server[3]
+  ids = tokenizer.encode("naïve café — fin")
+  splits = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+  assert splits, "the text should split inside a multi-byte character somewhere"
+  for k in splits:
+    detokenizer = Detokenizer(tokenizer, ids[:k])
+    new = "".join(detokenizer.add(t) for t in ids[k:]) + detokenizer.flush()
+    assert tokenizer.decode(ids[:k]).rstrip("\ufffd") + new == tokenizer.decode(ids), k
+
+
+def test_a_full_queue_is_503_and_a_failing_step_ends_only_the_running_requests(checkpoint_dir):
+  with serving.serving(checkpoint_dir, slots=2, max_len=64, engine_kwargs=dict(max_queue=0)) as (url, *_):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
+  with serving.serving(checkpoint_dir, slots=2, max_len=64) as (url, engine, *_):
+    run_rows = engine._run_rows
+
+    def fails_once(*args):
+      engine._run_rows = run_rows
+      raise RuntimeError("simulated device failure")
+
+    engine._run_rows = fails_once
+    broken = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60)
+    assert broken.status_code == 500 and "simulated device failure" in broken.json()["error"]["message"]
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot(checkpoint_dir):
+  """The engine is paced (a pause after each call) so the request is still running when the client gives up."""
+  with serving.serving(checkpoint_dir, slots=2, max_len=128) as (url, engine, *_):
+    step = engine.step
+
+    def paced_step():
+      busy = step()
+      if busy:
+        time.sleep(0.2)
+      return busy
+
+    engine.step = paced_step
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 120}, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while engine.pending() and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert engine.pending() == 0 and engine.stats["finished_cancelled"] == 1, dict(engine.stats)
+    assert engine.stats["tokens"] < 100  # cancelled, not run to max_tokens
