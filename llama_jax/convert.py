@@ -8,7 +8,11 @@ directories, and llama_jax checkpoints → HF directories.
 Conversion streams tensor by tensor, so peak host memory stays near the model's bytes (bench/convert_memory.py
 measures it): --from_hf reads each safetensors tensor from its file in pieces straight into preallocated stacked
 [L, ...] arrays, --from_meta copies from memory-mapped .pth shards the same way, and --to_hf restores one parameter at
-a time and writes each HF tensor in pieces. Everything is checked before the output directory is created.
+a time and writes each HF tensor in pieces. Everything is checked before the output directory is created, and the
+output is written beside it and renamed into place, so a failed conversion leaves nothing behind. Conversion is honest:
+every stored tensor must be one the config accounts for (no extra layer, no unknown name, no lm_head under a tied
+config unless it equals the embedding) and every tensor the config implies must be stored; a malformed config.json,
+params.json, index, safetensors file or .pth shard, and NaN or infinity in the weights, are one line naming the file.
 
 RoPE layout: llama_jax rotates the two halves of each head (HF's ``rotate_half``), so HF weights map by transposes and
 reshapes only, and a round trip is bit-exact. Meta's original ``consolidated.*.pth`` weights rotate interleaved pairs
@@ -25,9 +29,10 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import sys
-import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -51,57 +56,103 @@ class ConvertError(LlamaJaxError, ValueError):
   """The input cannot be converted; the message names the file, tensor or value."""
 
 
-def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-  """ModelConfig from a transformers Llama ``config.json``; features llama_jax lacks are refused by name."""
+# The keys of a transformers Llama config.json that have no default (shapes follow from them).
+_HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_REQUIRED = object()
+_JSON_KINDS = {  # what a config.json value must be → test
+  "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+  "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+  "true or false": lambda v: isinstance(v, bool),
+  "a string": lambda v: isinstance(v, str),
+  "an object": lambda v: isinstance(v, dict),
+}
+
+
+def _hf_value(hf: Mapping[str, Any], key: str, kind: str, where: str, default: Any = _REQUIRED, why: str = "") -> Any:
+  """hf[key] checked to be `kind` (`default` when absent, or null where a default exists): a string where a number
+  belongs would otherwise fail later with a traceback, and the string "false" would tie the embeddings."""
+  if key not in hf or (hf[key] is None and default is not _REQUIRED):
+    if default is _REQUIRED:
+      raise ConvertError(f"{where} has no {key!r}" + (f" ({why})" if why else ""))
+    return default
+  value = hf[key]
+  if not _JSON_KINDS[kind](value):
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ConvertError(f"{where}: {key} must be {kind}, got {shown}")
+  return value
+
+
+def model_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
+  """ModelConfig from a transformers Llama ``config.json`` (`where` names it in messages); features llama_jax lacks
+  are refused by name, and so is a missing or mistyped key."""
   for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key):
-      raise ConvertError(f"config.json sets {key}=true; LLaMA 2 has no biases and llama_jax does not support them")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ConvertError(f"config.json hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
-  dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-  if hf.get("head_dim") not in (None, dim // n_heads):
-    raise ConvertError(
-      f"config.json head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
-      f"{dim // n_heads}; not supported"
-    )
-  dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if _hf_value(hf, key, "true or false", where, False):
+      raise ConvertError(f"{where} sets {key}=true; LLaMA 2 has no biases and llama_jax does not support them")
+  hidden_act = _hf_value(hf, "hidden_act", "a string", where, "silu")
+  if hidden_act != "silu":
+    raise ConvertError(f"{where} hidden_act={hidden_act!r}; only 'silu' (SwiGLU) is supported")
+  required = f"required: {', '.join(_HF_REQUIRED)}"
+  vocab_size, dim, n_layers, n_heads, ffn_hidden_dim = (
+    _hf_value(hf, key, "an integer", where, why=required) for key in _HF_REQUIRED
+  )
+  head_dim = _hf_value(hf, "head_dim", "an integer", where, None)
+  dtype = _hf_value(hf, "dtype", "a string", where, None) or _hf_value(hf, "torch_dtype", "a string", where, None)
+  dtype = dtype or "float32"
   if dtype not in _DTYPES_FROM_HF:
-    raise ConvertError(f"config.json dtype {dtype!r} is not one of {sorted(_DTYPES_FROM_HF)}")
-  rope = dict(hf.get("rope_scaling") or {})
+    raise ConvertError(f"{where} dtype {dtype!r} is not one of {sorted(_DTYPES_FROM_HF)}")
+  rope_where = f"{where} rope_scaling"
+  rope = _hf_value(hf, "rope_scaling", "an object", where, {})
   # transformers ≥ 5 keeps theta and scaling together in rope_parameters.
-  rope_parameters = dict(hf.get("rope_parameters") or {})
-  theta = rope_parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
-  if rope_parameters.get("rope_type", "default") != "default":
-    rope = rope_parameters
-  kind = rope.get("rope_type", rope.get("type", "none")) if rope else "none"
+  rope_parameters = _hf_value(hf, "rope_parameters", "an object", where, {})
+  theta = _hf_value(rope_parameters, "rope_theta", "a number", f"{where} rope_parameters", None)
+  theta = _hf_value(hf, "rope_theta", "a number", where, 10000.0) if theta is None else theta
+  if _hf_value(rope_parameters, "rope_type", "a string", f"{where} rope_parameters", "default") != "default":
+    rope, rope_where = rope_parameters, f"{where} rope_parameters"
+  kind = "none"
+  if rope:
+    kind = _hf_value(rope, "rope_type", "a string", rope_where, None) or _hf_value(
+      rope, "type", "a string", rope_where, "none"
+    )
   kind = "none" if kind == "default" else kind
   fields = dict(
-    vocab_size=hf["vocab_size"],
+    vocab_size=vocab_size,
     dim=dim,
-    n_layers=hf["num_hidden_layers"],
+    n_layers=n_layers,
     n_heads=n_heads,
-    n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-    ffn_hidden_dim=hf["intermediate_size"],
-    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    n_kv_heads=_hf_value(hf, "num_key_value_heads", "an integer", where, None),  # None: n_heads
+    ffn_hidden_dim=ffn_hidden_dim,
+    norm_eps=float(_hf_value(hf, "rms_norm_eps", "a number", where, 1e-6)),
     rope_theta=float(theta),
-    max_seq_len=hf.get("max_position_embeddings", 4096),
-    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    max_seq_len=_hf_value(hf, "max_position_embeddings", "an integer", where, 4096),
+    tie_embeddings=_hf_value(hf, "tie_word_embeddings", "true or false", where, False),
     dtype=_DTYPES_FROM_HF[dtype],
     param_dtype=_DTYPES_FROM_HF[dtype],
     rope_scaling=kind,
   )
+
+  def rope_number(key: str) -> Any:
+    return _hf_value(rope, key, "a number", rope_where, why=f"required for rope_type {kind!r}")
+
   if kind in ("linear", "llama3"):
-    fields["rope_scaling_factor"] = float(rope["factor"])
+    fields["rope_scaling_factor"] = float(rope_number("factor"))
   if kind == "llama3":
     fields.update(
-      rope_low_freq_factor=float(rope["low_freq_factor"]),
-      rope_high_freq_factor=float(rope["high_freq_factor"]),
-      rope_original_max_len=int(rope["original_max_position_embeddings"]),
+      rope_low_freq_factor=float(rope_number("low_freq_factor")),
+      rope_high_freq_factor=float(rope_number("high_freq_factor")),
+      rope_original_max_len=_hf_value(
+        rope, "original_max_position_embeddings", "an integer", rope_where, why="required for rope_type 'llama3'"
+      ),
     )
   try:
-    return ModelConfig(**fields)
+    cfg = ModelConfig(**fields)
   except ConfigError as e:
-    raise ConvertError(f"config.json does not describe a valid model: {e}") from e
+    raise ConvertError(f"{where} does not describe a valid model: {e}") from e
+  if head_dim not in (None, cfg.head_dim):
+    raise ConvertError(
+      f"{where} head_dim={head_dim} differs from hidden_size/num_attention_heads={cfg.head_dim}; not supported"
+    )
+  return cfg
 
 
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -216,30 +267,106 @@ def _empty_params(cfg: ModelConfig) -> dict[str, Any]:
   return jax.tree.map(lambda a: np.empty(a.shape, a.dtype), target)
 
 
-def _check_hf_tensors(shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig) -> None:
-  plan = hf_tensor_plan(cfg)
-  missing = [t.name for t in plan if t.name not in shapes]
+# Stored tensors that are not weights: rotary frequencies, which some older exports carry (per layer) and which are
+# recomputed from rope_theta here, as transformers recomputes them.
+_HF_INV_FREQ = re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_TIED_HEAD = "lm_head.weight"
+
+
+def _check_hf_tensors(
+  shapes: Mapping[str, tuple[int, ...]],
+  cfg: ModelConfig,
+  file_of: Callable[[str], str] = lambda name: "the tensors given",
+  sources: str = "the tensors given",
+  config: str = "config.json",
+) -> None:
+  """Every tensor `config` implies is stored (in `sources`) with its shape, and every stored tensor is one it implies:
+  a layer past num_hidden_layers or a name llama_jax does not know would otherwise be dropped without a word. Under a
+  tied config a stored lm_head is let through here, for ``_check_tied_head`` to compare with the embedding."""
+  expected = {t.name: t.shape for t in hf_tensor_plan(cfg)}
+  if cfg.tie_embeddings:
+    expected[_TIED_HEAD] = expected["model.embed_tokens.weight"]
+  for name in shapes:
+    if name in expected:
+      continue
+    layer = _HF_LAYER_NAME.fullmatch(name)
+    if layer and int(layer.group(1)) >= cfg.n_layers:
+      raise ConvertError(
+        f"found {name!r} in {file_of(name)}, but {config} has num_hidden_layers={cfg.n_layers}: the stored model has "
+        "more layers than its config, and converting would drop them; correct num_hidden_layers"
+      )
+    if not _HF_INV_FREQ.fullmatch(name):
+      raise ConvertError(
+        f"found {name!r} in {file_of(name)}, which is not a weight of the LlamaForCausalLM {config} describes; "
+        "converting would drop it"
+      )
+  missing = [name for name in expected if name not in shapes and not (cfg.tie_embeddings and name == _TIED_HEAD)]
   if missing:
-    raise ConvertError(f"{len(missing)} tensors missing from the safetensors files, e.g. {missing[0]!r}")
-  for t in plan:
-    if tuple(shapes[t.name]) != t.shape:
-      raise ConvertError(f"tensor {t.name!r} has shape {tuple(shapes[t.name])}, but config.json implies {t.shape}")
+    raise ConvertError(
+      f"{missing[0]!r} is missing from {sources}: {config} implies it (num_hidden_layers={cfg.n_layers}, "
+      f"tie_word_embeddings={str(cfg.tie_embeddings).lower()}); {len(missing)} of {len(hf_tensor_plan(cfg))} tensors "
+      "are missing"
+    )
+  for name, shape in expected.items():
+    if name in shapes and tuple(shapes[name]) != shape:
+      raise ConvertError(
+        f"tensor {name!r} in {file_of(name)} has shape {tuple(shapes[name])}, but {config} implies {shape}"
+      )
 
 
-def _params_from_rows(cfg: ModelConfig, read_rows: Callable[[str, int, int], np.ndarray]) -> dict[str, Any]:
-  """Fills a new params tree HF tensor by HF tensor, block of rows by block; values are cast to cfg.param_dtype."""
+def _check_tied_head(
+  cfg: ModelConfig, read_rows: Callable[[str, int, int], np.ndarray], file: str, config: str = "config.json"
+) -> None:
+  """A tied config has no lm_head of its own. Some exporters store the embedding again as lm_head, which is fine; a
+  stored head that differs is a distinct one (a user's was up to 0.11 away) the conversion would drop: refused."""
+  worst, differs = 0.0, False
+  for start, stop in row_blocks((cfg.vocab_size, cfg.dim)):
+    head = read_rows(_TIED_HEAD, start, stop).astype(np.float32)
+    embedding = read_rows("model.embed_tokens.weight", start, stop).astype(np.float32)
+    if not np.array_equal(head, embedding):
+      differs = True
+      worst = max(worst, float(np.nan_to_num(np.abs(head - embedding), nan=np.inf).max()))
+  if differs:
+    raise ConvertError(
+      f"found an lm_head.weight in {file} that differs from model.embed_tokens.weight (by up to {worst:.3g}), but "
+      f"{config} sets tie_word_embeddings=true, so converting would drop it; set it to false to keep the head"
+    )
+
+
+def _params_from_rows(
+  cfg: ModelConfig,
+  read_rows: Callable[[str, int, int], np.ndarray],
+  file_of: Callable[[str], str] = lambda name: "the tensors given",
+) -> dict[str, Any]:
+  """Fills a new params tree HF tensor by HF tensor, block of rows by block; values are cast to cfg.param_dtype.
+  A block holding NaN or infinity is refused: the one sign of damaged data a safetensors file gives (it has no
+  checksum), and a checkpoint every later step (training, export) would refuse anyway."""
   params = _empty_params(cfg)
   for tensor in hf_tensor_plan(cfg):
     hf = _hf_view(_leaf(params, tensor.path), tensor)
     for start, stop in row_blocks(tensor.shape):
-      hf[start:stop] = read_rows(tensor.name, start, stop)
+      rows = read_rows(tensor.name, start, stop)
+      if not np.isfinite(rows).all():
+        raise ConvertError(
+          f"tensor {tensor.name!r} in {file_of(tensor.name)} holds NaN or infinity (rows {start}-{stop - 1}): the "
+          "file is damaged, or the model was saved after it diverged"
+        )
+      hf[start:stop] = rows
   return params
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, Any]:
-  """HF tensors (name → [out, in] arrays) → the llama_jax params tree (numpy, layers stacked on axis 0)."""
+  """HF tensors (name → [out, in] arrays) → the llama_jax params tree (numpy, layers stacked on axis 0), checked as
+  a directory's are: every tensor accounted for, a tied head equal to the embedding."""
+
+  def read_rows(name: str, start: int, stop: int) -> np.ndarray:
+    return np.asarray(tensors[name][start:stop])
+
   _check_hf_tensors({name: np.shape(a) for name, a in tensors.items()}, cfg)
-  return _params_from_rows(cfg, lambda name, start, stop: np.asarray(tensors[name][start:stop]))
+  if cfg.tie_embeddings and _TIED_HEAD in tensors:
+    _check_tied_head(cfg, read_rows, "the tensors given")
+  return _params_from_rows(cfg, read_rows)
 
 
 def hf_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -264,36 +391,83 @@ def _write_hf_tensors(
 # HF directories
 
 
+def _read_json(path: str) -> Any:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConvertError(f"{path} is not valid JSON: {e}") from e
+  except OSError as e:
+    raise ConvertError(f"cannot read {path}: {e.strerror or e}") from e
+
+
+def _safetensors_files(hf_dir: str) -> tuple[list[str], dict[str, str] | None]:
+  """The safetensors files of a directory: those its index names (with the index's name → file map), or all."""
+  index_path = os.path.join(hf_dir, INDEX_FILE)
+  if not os.path.isfile(index_path):
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not files:
+      raise ConvertError(f"{hf_dir!r} has no *.safetensors files (PyTorch .bin files are not read: no torch here)")
+    return files, None
+  index = _read_json(index_path)
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not (isinstance(weight_map, dict) and weight_map and all(isinstance(file, str) for file in weight_map.values())):
+    raise ConvertError(f"{index_path} has no weight_map of tensor names to file names")
+  files = [os.path.join(hf_dir, name) for name in sorted(set(weight_map.values()))]
+  for path in files:
+    if not os.path.isfile(path):
+      raise ConvertError(f"{INDEX_FILE} names {os.path.basename(path)!r}, which is missing from {hf_dir!r}")
+  return files, weight_map
+
+
+def _check_index(entries: Mapping[str, safetensors_stream.Entry], weight_map: Mapping[str, str]) -> None:
+  """The index and the files' headers agree: a tensor listed in the wrong file, or in none, means a shard was
+  replaced or the index edited, and either could be the one to trust."""
+  for name, file in weight_map.items():
+    held_by = os.path.basename(entries[name].path) if name in entries else None
+    if held_by != file:
+      raise ConvertError(
+        f"{INDEX_FILE} puts {name!r} in {file}, which does not hold it"
+        + (f" ({held_by} does)" if held_by else " (no file does)")
+      )
+  for name, entry in entries.items():
+    if name not in weight_map:
+      raise ConvertError(f"found {name!r} in {os.path.basename(entry.path)}, which {INDEX_FILE} does not list")
+
+
 def open_hf_dir(hf_dir: str) -> tuple[ModelConfig, safetensors_stream.Reader]:
   """config.json plus single or sharded (index.json) safetensors of a transformers Llama directory, checked against
-  each other (names, shapes, dtypes) from the file headers alone."""
+  each other from the file headers (every tensor the config implies is stored with its shape, every stored tensor is
+  one it implies), and a stored lm_head under a tied config compared with the embedding."""
   if not os.path.isdir(hf_dir):
     raise ConvertError(f"HF directory {hf_dir!r} does not exist")
   config_path = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(config_path):
     raise ConvertError(f"{hf_dir!r} has no config.json")
-  with open(config_path) as f:
-    hf_config = json.load(f)
-  if hf_config.get("model_type", "llama") != "llama":
-    raise ConvertError(f"{config_path} has model_type={hf_config['model_type']!r}; only 'llama' is supported")
-  cfg = model_config_from_hf(hf_config)
-  index_path = os.path.join(hf_dir, INDEX_FILE)
-  if os.path.isfile(index_path):
-    with open(index_path) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-    files = [os.path.join(hf_dir, name) for name in files]
-  else:
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-  if not files:
-    raise ConvertError(f"{hf_dir!r} has no *.safetensors files (PyTorch .bin files are not read: no torch here)")
-  for path in files:
-    if not os.path.isfile(path):
-      raise ConvertError(f"{INDEX_FILE} names {os.path.basename(path)!r}, which is missing from {hf_dir!r}")
+  hf_config = _read_json(config_path)
+  if not isinstance(hf_config, dict):
+    raise ConvertError(f"{config_path} holds a JSON {type(hf_config).__name__}, not an object")
+  model_type = _hf_value(hf_config, "model_type", "a string", config_path, "llama")
+  if model_type != "llama":
+    raise ConvertError(f"{config_path} has model_type={model_type!r}; only 'llama' is supported")
+  cfg = model_config_from_hf(hf_config, config_path)
+  files, weight_map = _safetensors_files(hf_dir)
   reader = safetensors_stream.Reader(files)
-  if cfg.tie_embeddings:
-    reader.entries.pop("lm_head.weight", None)  # some exporters write the tied head too; it is the embedding
-  _check_hf_tensors({name: entry.shape for name, entry in reader.entries.items()}, cfg)
-  dtypes = sorted({reader.dtype(t.name).name for t in hf_tensor_plan(cfg)})
+  try:
+    if weight_map is not None:
+      _check_index(reader.entries, weight_map)
+
+    def file_of(name: str) -> str:
+      return reader.entries[name].path
+
+    sources = files[0] if len(files) == 1 else f"the {len(files)} safetensors files of {hf_dir}"
+    _check_hf_tensors({name: e.shape for name, e in reader.entries.items()}, cfg, file_of, sources, config_path)
+    if cfg.tie_embeddings and _TIED_HEAD in reader.entries:
+      _check_tied_head(cfg, reader.read_rows, file_of(_TIED_HEAD), config_path)
+    dtypes = sorted({reader.dtype(t.name).name for t in hf_tensor_plan(cfg)})
+  except BaseException:
+    reader.close()
+    raise
   if len(dtypes) == 1 and dtypes[0] in _DTYPES_FROM_HF:
     cfg = cfg.replace(param_dtype=dtypes[0])  # keep the stored dtype, so a round trip is bit-exact
   return cfg, reader
@@ -339,10 +513,11 @@ def _write_tokenizer_config(out_dir: str, tokenizer_path: str) -> None:
 
 
 class _CheckpointLeaves:
-  """The params of the latest complete step of a checkpoint directory, restored one leaf at a time as numpy (and
-  refused if non-finite, as ``checkpoint.load_params`` does), so that exporting never holds the whole model twice."""
+  """The params of the latest complete (or given) step of a checkpoint directory, checked against its digests and
+  restored one leaf at a time as numpy (and refused if non-finite, as ``checkpoint.load_params`` does), so that
+  exporting never holds the whole model twice."""
 
-  def __init__(self, directory: str):
+  def __init__(self, directory: str, step: int | None = None):
     from llama_jax import sharding
     from llama_jax.model import Llama
 
@@ -355,11 +530,13 @@ class _CheckpointLeaves:
       self._manager = ocp.CheckpointManager(
         steps_dir, options=options, item_handlers={"params": ocp.PyTreeCheckpointHandler()}
       )
-    steps = self._manager.all_steps() if self._manager else []
-    if not steps:
+    try:
+      self.step = checkpoint.checked_step(
+        directory, self._manager.all_steps() if self._manager else [], step, items=("params",)
+      )
+    except checkpoint.CheckpointError:
       self.close()
-      raise checkpoint.CheckpointError(f"checkpoint directory {directory!r} holds no complete checkpoint step")
-    self.step = max(steps)
+      raise
     _, self._target = sharding.abstract_params(Llama, self.cfg)
     self._path, self._value = None, None
 
@@ -377,10 +554,11 @@ class _CheckpointLeaves:
       node = node.setdefault(key, {})
     node[path[-1]] = _leaf(self._target, path)
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
-    restored = self._manager.restore(
-      self.step,
-      args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True)),
-    )
+    with checkpoint.restore_errors(self.directory, self.step):
+      restored = self._manager.restore(
+        self.step,
+        args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True)),
+      )
     value = _leaf(restored["params"], path)
     flat = value.reshape(-1)
     step = max(1, CHUNK_BYTES // value.itemsize)
@@ -413,7 +591,9 @@ def _new_output_dir(out_dir: str) -> Iterator[str]:
   _check_new_output(out_dir)
   parent = os.path.dirname(os.path.abspath(out_dir))
   os.makedirs(parent, exist_ok=True)
-  scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
+  # mkdir, not mkdtemp: mkdtemp's mode 0700 would become the output's; this one gets the umask's, as any new directory.
+  scratch = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-{uuid.uuid4().hex[:12]}")
+  os.mkdir(scratch)
   try:
     yield scratch
     if os.path.isdir(out_dir):
@@ -430,12 +610,15 @@ def _tokenizer_in(directory: str) -> str | None:
 
 
 def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
-  """HF directory → new llama_jax checkpoint directory (params at step 0, model config, tokenizer if present)."""
+  """HF directory → new llama_jax checkpoint directory (params at step 0, model config, tokenizer if present).
+  Everything is read and checked before anything is written, and the output is written beside `out_dir` and renamed
+  into place: a failure leaves no output directory."""
   _check_new_output(out_dir)
   cfg, reader = open_hf_dir(hf_dir)
   with contextlib.closing(reader):
-    params = _params_from_rows(cfg, reader.read_rows)
-  checkpoint.save_params_dir(out_dir, cfg, params, tokenizer_path=_tokenizer_in(hf_dir))
+    params = _params_from_rows(cfg, reader.read_rows, lambda name: reader.entries[name].path)
+  with _new_output_dir(out_dir) as scratch:
+    checkpoint.save_params_dir(scratch, cfg, params, tokenizer_path=_tokenizer_in(hf_dir))
   return cfg
 
 
@@ -447,14 +630,15 @@ def from_meta(meta_dir: str, out_dir: str) -> ModelConfig:
   cfg, params = shards.cfg, _empty_params(shards.cfg)
   shards.copy_into((t.name, _hf_view(_leaf(params, t.path), t)) for t in hf_tensor_plan(cfg))
   del shards  # unmaps the .pth files
-  checkpoint.save_params_dir(out_dir, cfg, params, tokenizer_path=_tokenizer_in(meta_dir))
+  with _new_output_dir(out_dir) as scratch:  # as from_hf: a failure leaves no output directory
+    checkpoint.save_params_dir(scratch, cfg, params, tokenizer_path=_tokenizer_in(meta_dir))
   return cfg
 
 
-def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> ModelConfig:
-  """llama_jax checkpoint directory (latest step) → new HF directory."""
+def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, step: int | None = None) -> ModelConfig:
+  """llama_jax checkpoint directory (latest or given step) → new HF directory."""
   _check_new_output(out_dir)
-  with contextlib.closing(_CheckpointLeaves(checkpoint_dir)) as leaves, _new_output_dir(out_dir) as scratch:
+  with contextlib.closing(_CheckpointLeaves(checkpoint_dir, step)) as leaves, _new_output_dir(out_dir) as scratch:
     _write_hf_tensors(scratch, leaves.cfg, leaves, max_shard_bytes)
     _write_hf_metadata(scratch, leaves.cfg, _tokenizer_in(checkpoint_dir))
   return leaves.cfg
@@ -478,13 +662,14 @@ def main(argv: list[str] | None = None) -> int:
   source.add_argument("--to_hf", metavar="CKPT_DIR", help="llama_jax checkpoint directory to export (latest step)")
   parser.add_argument("--out", required=True, help="new output directory (must not exist or be empty)")
   parser.add_argument("--max_shard_gib", type=float, default=5.0, help="--to_hf: largest safetensors file")
+  parser.add_argument("--step", type=int, help="--to_hf: checkpoint step to export (default: the latest)")
   args = parser.parse_args(argv)
   if args.from_hf:
     cfg = run_or_exit(from_hf, args.from_hf, args.out)
   elif args.from_meta:
     cfg = run_or_exit(from_meta, args.from_meta, args.out)
   else:
-    cfg = run_or_exit(to_hf, args.to_hf, args.out, int(args.max_shard_gib * 2**30))
+    cfg = run_or_exit(to_hf, args.to_hf, args.out, int(args.max_shard_gib * 2**30), args.step)
   print(f"wrote {args.out}: {cfg.num_params():,} parameters, {cfg.n_layers} layers, dim {cfg.dim}")
   return 0
 

@@ -48,10 +48,11 @@ def evaluate(
   mesh: Mesh | None = None,
   dtype: str | None = None,
   quantize: str = "none",
+  step: int | None = None,
 ) -> dict[str, float]:
-  """Metrics of the latest checkpoint step on `sources` (or the run's validation split), with the weights placed
-  as for decoding (``inference``: split over `tensor`, windows over `data`; default one device), cast to `dtype`
-  and quantized as asked, so a loss measures exactly the weights the sampler would decode with."""
+  """Metrics of the latest (or given) checkpoint step on `sources` (or the run's validation split), with the weights
+  placed as for decoding (``inference``: split over `tensor`, windows over `data`; default one device), cast to
+  `dtype` and quantized as asked, so a loss measures exactly the weights the sampler would decode with."""
   model_cfg = checkpoint_lib.read_model_config(checkpoint_dir)
   tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   if not os.path.isfile(tokenizer_path):
@@ -79,7 +80,9 @@ def evaluate(
     raise inference.InferenceError(
       f"batch_size {batch_size} must be a multiple of the mesh's data axis {mesh.shape['data']}"
     )
-  model_cfg, params = inference.load_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize, stacked=True)
+  model_cfg, params = inference.load_params(
+    checkpoint_dir, mesh, dtype=dtype, quantize=quantize, step=step, stacked=True
+  )
   rules = inference.decode_rules(model_cfg, mesh)
   graphdef = sharding.abstract_params(Llama, model_cfg)[0]
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh,
     args.dtype,
     args.quantize,
+    args.step,
   )
   print(
     f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | bits/byte "

@@ -65,7 +65,11 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def add_model_flags(parser) -> None:
-  """--mesh, --dtype, --quantize: how a checkpoint is placed for decoding (sample, chat, evaluate)."""
+  """--step, --mesh, --dtype, --quantize: which step of a checkpoint is read and how it is placed for decoding
+  (sample, chat, evaluate, serve)."""
+  parser.add_argument(
+    "--step", type=int, help="checkpoint step to read (default: the latest); an earlier one when the latest is damaged"
+  )
   parser.add_argument(
     "--mesh",
     help="decode mesh, e.g. data=1,tensor=-1 (default: every device on tensor; weights split over tensor, "

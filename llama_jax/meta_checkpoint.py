@@ -8,8 +8,10 @@ and the row-parallel ones (wo, w2, tok_embeddings) on dim 1; norms are replicate
 
 The shards are memory-mapped (torch, imported only here and only when needed) and copied piece by piece into arrays
 the caller owns; each piece's pages are handed back to the kernel once copied, so peak memory stays near the model's
-bytes. Everything is checked against params.json before a tensor is copied. Which HF tensors a model has, and where
-they live in the params tree, is convert.py's: it passes their shapes and the arrays to fill.
+bytes. Everything is checked against params.json before a tensor is copied (a stored tensor the model has no place for,
+such as an extra layer or an unknown name, a missing one, shapes that do not merge, an unreadable shard), and each
+piece is checked to be finite as it is copied: the one sign of damaged data a .pth file gives. Which HF tensors a model
+has, and where they live in the params tree, is convert.py's: it passes their shapes and the arrays to fill.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from llama_jax.config import ConfigError, ModelConfig
 from llama_jax.errors import LlamaJaxError
+from llama_jax.safetensors_stream import row_blocks
 
 PARAMS_FILE = "params.json"
 
@@ -123,6 +126,7 @@ def _torch_numpy(tensor: Any) -> np.ndarray:
   """A numpy view of a CPU torch tensor (bfloat16 through its bits: numpy has no bfloat16 of its own)."""
   import torch
 
+  tensor = tensor.detach()  # a saved nn.Parameter loads with requires_grad, which numpy() refuses
   if tensor.dtype == torch.bfloat16:
     return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
   return tensor.numpy()
@@ -162,7 +166,8 @@ class MetaShards:
       try:
         shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
       except Exception as e:  # torch raises many types for a damaged or foreign file; the message says which
-        raise MetaCheckpointError(f"cannot read {path}: {str(e).strip().splitlines()[0]}") from e
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise MetaCheckpointError(f"cannot read {path} (damaged, truncated or not a torch.save file): {reason}") from e
       if not isinstance(shard, dict) or not all(isinstance(t, torch.Tensor) for t in shard.values()):
         raise MetaCheckpointError(f"{path} does not hold a state dict of tensors")
       self.shards.append(shard)
@@ -175,8 +180,11 @@ class MetaShards:
     first = os.path.basename(self.paths[0])
     if "tok_embeddings.weight" not in self.shards[0]:
       raise MetaCheckpointError(f"{first} has no tensor 'tok_embeddings.weight'")
+    embedding_shape = tuple(self.shards[0]["tok_embeddings.weight"].shape)
+    if len(embedding_shape) != 2:
+      raise MetaCheckpointError(f"{first}: tok_embeddings.weight has shape {embedding_shape}, not [vocab, dim]")
     if vocab_size == -1:
-      vocab_size = int(self.shards[0]["tok_embeddings.weight"].shape[0])
+      vocab_size = embedding_shape[0]
     known = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     dtypes = set()
     for path, shard in zip(self.paths, self.shards):
@@ -202,7 +210,7 @@ class MetaShards:
             f"{file} holds {name!r}, which is not part of the LLaMA 2 model params.json describes "
             f"(n_layers={cfg.n_layers})"
           )
-    w1_rows = sum(self.piece_shape(i, "layers.0.feed_forward.w1.weight")[0] for i in range(len(files)))
+    w1_rows = sum((self.piece_shape(i, "layers.0.feed_forward.w1.weight") or (0,))[0] for i in range(len(files)))
     if w1_rows != cfg.hidden_dim:
       raise MetaCheckpointError(
         f"layers.0.feed_forward.w1.weight has {w1_rows} rows (the MLP width), but params.json's "
@@ -217,6 +225,10 @@ class MetaShards:
           a != b for axis, (a, b) in enumerate(zip(shape, shapes[0])) if axis != dim
         ):
           raise MetaCheckpointError(f"{meta_name} has shape {shape} in {file} but {shapes[0]} in {files[0]}")
+      if len(shapes[0]) != len(hf_shape):
+        raise MetaCheckpointError(
+          f"{meta_name} has shape {shapes[0]} in {files[0]}, but params.json implies {hf_shape}"
+        )
       merged = list(shapes[0])
       if dim is not None:
         merged[dim] = sum(shape[dim] for shape in shapes)
@@ -236,13 +248,15 @@ class MetaShards:
 
   def copy_into(self, hf_views: Iterable[tuple[str, np.ndarray]]) -> None:
     """Fills each (HF name, HF-layout [out, in] array) with the merged tensor, copied piece by piece from the mapped
-    shards (q/k rows permuted to half rotation)."""
+    shards (q/k rows permuted to half rotation). A piece holding NaN or infinity is refused: a damaged shard, or a
+    model saved after it diverged, which every later step (training, export) would refuse anyway."""
     cfg, names = self.cfg, meta_names(self.cfg)
     for hf_name, hf in hf_views:
       meta_name, dim = names[hf_name]
       offset = 0
-      for shard in self.shards[: 1 if dim is None else None]:
+      for path, shard in list(zip(self.paths, self.shards))[: 1 if dim is None else None]:
         piece = _torch_numpy(shard[meta_name])
+        _check_finite(piece, meta_name, path)
         if meta_name.endswith(("wq.weight", "wk.weight")):
           piece = permute_meta_qk(piece, piece.shape[0] // cfg.head_dim)
         if dim is None:
@@ -253,6 +267,15 @@ class MetaShards:
           hf[:, offset : offset + piece.shape[1]] = piece
         offset += 0 if dim is None else piece.shape[dim]
         _release_pages(shard[meta_name])
+
+
+def _check_finite(piece: np.ndarray, name: str, path: str) -> None:
+  for start, stop in row_blocks(piece.shape):  # blocks: a bool mask of the whole piece would be a large temporary
+    if not np.isfinite(piece[start:stop]).all():
+      raise MetaCheckpointError(
+        f"{name} in {path} holds NaN or infinity (rows {start}-{stop - 1}): the shard is damaged, or the model was "
+        "saved after it diverged"
+      )
 
 
 def _release_pages(tensor: Any) -> None:

@@ -59,29 +59,58 @@ class Entry(NamedTuple):
 
 
 def read_entries(path: str) -> dict[str, Entry]:
-  """The tensors of one file, from its header alone, checked to lie within the file."""
-  size = os.path.getsize(path)
+  """The tensors of one file, from its header alone, checked to be well-formed and to lie within the file: a damaged
+  or truncated file is refused here, by name, rather than read as garbage later."""
   try:
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-      header_len = int.from_bytes(f.read(8), "little")
-      if not 0 < header_len <= size - 8:
-        raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
+      prefix = f.read(8)
+      header_len = int.from_bytes(prefix, "little")
+      if len(prefix) < 8 or not 0 < header_len <= size - 8:
+        raise ValueError(f"header length {header_len} does not fit a {size}-byte file (truncated?)")
       header = json.loads(f.read(header_len))
-    entries = {}
-    for name, info in header.items():
-      if name == "__metadata__":
-        continue
-      begin, end = info["data_offsets"]
-      shape = tuple(int(n) for n in info["shape"])
-      itemsize = DTYPES[info["dtype"]].itemsize if info["dtype"] in DTYPES else None
-      if itemsize and end - begin != math.prod(shape) * itemsize:
-        raise ValueError(f"tensor {name!r} of shape {shape} has {end - begin} bytes")
-      if 8 + header_len + end > size:
-        raise ValueError(f"tensor {name!r} ends past the end of the file (truncated?)")
-      entries[name] = Entry(path, 8 + header_len + begin, info["dtype"], shape)
-    return entries
-  except (ValueError, KeyError, TypeError) as e:
-    raise SafetensorsError(f"{path} is not a readable safetensors file: {e}") from e
+  except OSError as e:
+    raise SafetensorsError(f"cannot read {path}: {e.strerror or e}") from e
+  except ValueError as e:  # json's and utf-8's errors are ValueErrors
+    raise SafetensorsError(f"{path} is not a readable safetensors file: {_one_line(e)}") from e
+  if not isinstance(header, dict):
+    raise SafetensorsError(f"{path} is not a readable safetensors file: its header is not a JSON object")
+  entries = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    problem = _entry_problem(name, info, header_len, size)
+    if problem:
+      raise SafetensorsError(f"{path} is not a readable safetensors file: {problem}")
+    begin, _ = info["data_offsets"]
+    entries[name] = Entry(path, 8 + header_len + begin, info["dtype"], tuple(info["shape"]))
+  return entries
+
+
+def _entry_problem(name: str, info: Any, header_len: int, size: int) -> str | None:
+  """What is wrong with one tensor's header entry, or None."""
+
+  def is_count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+    return f"tensor {name!r} has no dtype, shape and data_offsets in the header"
+  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if not isinstance(dtype, str) or not isinstance(shape, list) or not all(map(is_count, shape)):
+    return f"tensor {name!r} has dtype {dtype!r} and shape {shape!r} in the header"
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets)) and offsets[0] <= offsets[1]):
+    return f"tensor {name!r} has data_offsets {offsets!r} in the header"
+  begin, end = offsets
+  # Only the dtypes read here have a known size; a foreign one is refused by name if a conversion needs it.
+  if dtype in DTYPES and end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
+    return f"tensor {name!r} of shape {tuple(shape)} and dtype {dtype} has {end - begin} bytes"
+  if 8 + header_len + end > size:
+    return f"tensor {name!r} ends past the end of the file (truncated?)"
+  return None
+
+
+def _one_line(e: Exception) -> str:
+  return " ".join(str(e).split()) or type(e).__name__
 
 
 class Reader:
@@ -90,7 +119,10 @@ class Reader:
   def __init__(self, paths: list[str]):
     self.entries: dict[str, Entry] = {}
     for path in paths:
-      self.entries.update(read_entries(path))
+      for name, entry in read_entries(path).items():
+        if name in self.entries:  # which copy would win is an accident of file order
+          raise SafetensorsError(f"tensor {name!r} is stored twice, in {self.entries[name].path} and in {path}")
+        self.entries[name] = entry
     self._files: dict[str, Any] = {}
 
   def dtype(self, name: str) -> np.dtype:
@@ -102,11 +134,18 @@ class Reader:
   def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
     entry, dtype = self.entries[name], self.dtype(name)
     rows = np.empty((stop - start, *entry.shape[1:]), dtype)
-    if entry.path not in self._files:
-      self._files[entry.path] = open(entry.path, "rb")  # closed by close()
-    f = self._files[entry.path]
-    f.seek(entry.offset + start * math.prod(entry.shape[1:]) * dtype.itemsize)
-    f.readinto(rows.reshape(-1).view(np.uint8))
+    try:
+      if entry.path not in self._files:
+        self._files[entry.path] = open(entry.path, "rb")  # closed by close()
+      f = self._files[entry.path]
+      f.seek(entry.offset + start * math.prod(entry.shape[1:]) * dtype.itemsize)
+      count = f.readinto(rows.reshape(-1).view(np.uint8))
+    except OSError as e:
+      raise SafetensorsError(f"cannot read tensor {name!r} from {entry.path}: {e.strerror or e}") from e
+    if count != rows.nbytes:  # the header was checked against the file's size, so the file shrank since
+      raise SafetensorsError(
+        f"{entry.path} ends inside tensor {name!r} (rows {start}-{stop - 1}): the file was truncated while reading"
+      )
     return rows
 
   def close(self) -> None:

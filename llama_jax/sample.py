@@ -420,17 +420,22 @@ def _until_stop(tokens: np.ndarray, stops: tuple[int, ...]) -> list[int]:
 
 
 def load_sampler(
-  checkpoint_dir: str, mesh: Mesh | None = None, dtype: str | None = None, quantize: str = "none"
+  checkpoint_dir: str,
+  mesh: Mesh | None = None,
+  dtype: str | None = None,
+  quantize: str = "none",
+  step: int | None = None,
 ) -> tuple[Sampler, Tokenizer]:
-  """A Sampler and the tokenizer of a checkpoint directory (from training or conversion), its weights restored
-  straight into their decode shardings on `mesh` (default: one device), cast to `dtype`, quantized as asked."""
+  """A Sampler and the tokenizer of a checkpoint directory (from training or conversion), its weights (of `step`,
+  default the latest) restored straight into their decode shardings on `mesh` (default: one device), cast to
+  `dtype`, quantized as asked."""
   cfg = checkpoint.read_model_config(checkpoint_dir)
   tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
   if not os.path.isfile(tokenizer_path):
     raise checkpoint.CheckpointError(f"{checkpoint_dir!r} has no {TOKENIZER_FILE}; sampling needs one")
   tokenizer = Tokenizer(tokenizer_path)
   mesh = mesh if mesh is not None else inference.decode_mesh(devices=jax.local_devices()[:1])
-  cfg, params = inference.load_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize)
+  cfg, params = inference.load_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize, step=step)
   return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh), tokenizer
 
 
@@ -438,7 +443,7 @@ def sampler_from_args(args) -> tuple[Sampler, Tokenizer]:
   """The sampler the CLI flags ask for, on every device of every process (multi-host: same command everywhere)."""
   maybe_initialize_distributed()
   mesh = inference.decode_mesh(args.mesh)
-  return load_sampler(args.checkpoint, mesh, args.dtype, args.quantize)
+  return load_sampler(args.checkpoint, mesh, args.dtype, args.quantize, args.step)
 
 
 def report_placement(sampler: Sampler) -> None:

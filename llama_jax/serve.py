@@ -474,7 +474,7 @@ def serve(args) -> None:
   if not 0 < args.port < 65536:
     raise EngineError(f"--port must be in [1, 65535], got {args.port}")
   mesh = inference.decode_mesh(args.mesh)
-  sampler, tokenizer = load_sampler(args.checkpoint, mesh, args.dtype, args.quantize)
+  sampler, tokenizer = load_sampler(args.checkpoint, mesh, args.dtype, args.quantize, args.step)
   report_placement(sampler)
   engine = Engine(
     sampler,

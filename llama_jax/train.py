@@ -226,11 +226,11 @@ class Trainer:
 def _restore_or_init(
   trainer: Trainer, checkpointer: checkpoint_lib.TrainCheckpointer, data_iter, run_config: RunConfig
 ) -> tuple[State, int]:
-  """(state, start step): the latest complete checkpoint (data iterator restored too), or a fresh state whose
-  parameters come from `init_from` when set."""
-  start = checkpointer.latest_step()
-  if start is not None:
-    state, data_state = checkpointer.restore(start, trainer.abstract_state())
+  """(state, start step): the newest intact checkpoint (data iterator restored too; damaged newer steps are set
+  aside with a warning), or a fresh state whose parameters come from `init_from` when set."""
+  restored = checkpointer.restore_latest(trainer.abstract_state())
+  if restored is not None:
+    start, state, data_state = restored
     data_iter.set_state(data_state)
     return state, start
   state = trainer.init_state()
