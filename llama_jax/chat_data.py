@@ -26,10 +26,14 @@ from llama_jax import chat
 from llama_jax.data import (
   FORMAT_VERSION,
   DataError,
+  cannot_prepare,
+  file_record,
   in_validation,
   prepared_meta,
   process_batches,
+  read_meta,
   resolve_sources,
+  size_problem,
   write_meta,
 )
 
@@ -176,13 +180,18 @@ def prepare_sft(
   val_fraction: float,
   seed: int,
   on_error: str = "skip",
+  verify: bool = False,
 ) -> dict[str, Any]:
-  """Encodes conversations with the LLaMA 2 chat template and packs them into rows (cached like `prepare`).
+  """Encodes conversations with the LLaMA 2 chat template and packs them into rows (cached and checked like
+  `prepare`: each .npy file's size and sha256 are in meta.json, token ids are checked against the vocabulary).
 
   Split by conversation: a seeded `val_fraction` of them is held out. Conversations longer than seq_len + 1 tokens
   lose their oldest exchanges, then the left of the last prompt (see chat.encode_dialog); counted in meta.json.
   """
-  conversations, problems = load_conversations(sources, on_error)
+  try:
+    conversations, problems = load_conversations(sources, on_error)
+  except DataError as e:
+    raise cannot_prepare(out_dir, e, verify) from e
   if not conversations:
     raise DataError(
       f"no usable conversations in {list(sources)}"
@@ -193,7 +202,7 @@ def prepare_sft(
   )
   digest.update(hashlib.sha256(tokenizer.serialized()).digest())
   fingerprint = digest.hexdigest()
-  cached = prepared_meta(out_dir, fingerprint)
+  cached = prepared_meta(out_dir, fingerprint, verify)
   if cached is not None:
     return cached
   os.makedirs(out_dir, exist_ok=True)
@@ -202,8 +211,10 @@ def prepare_sft(
     kind="sft",
     fingerprint=fingerprint,
     seq_len=seq_len,
+    vocab_size=tokenizer.vocab_size,
     skipped=len(problems),
     skipped_examples=problems[:5],
+    files={},
   )
   for split in ("train", "val"):
     chosen = [(loc, m) for loc, m in conversations if in_validation(loc, val_fraction, seed) == (split == "val")]
@@ -215,7 +226,9 @@ def prepare_sft(
         too_long += 1  # the last assistant turn alone does not fit
     arrays = pack_conversations(encoded, seq_len)
     for key, array in arrays.items():
-      np.save(os.path.join(out_dir, f"{split}_{key}.npy"), array)
+      path = os.path.join(out_dir, f"{split}_{key}.npy")
+      np.save(path, array)
+      meta["files"][os.path.basename(path)] = file_record(path, token_ids=key in ("inputs", "targets"))
     meta[split] = dict(
       conversations=len(encoded),
       rows=len(arrays["inputs"]),
@@ -229,10 +242,18 @@ def prepare_sft(
 
 
 class PackedRows:
-  """Random access to the packed conversation rows of a split (memory-mapped)."""
+  """Random access to the packed conversation rows of a split (memory-mapped), each file size-checked against
+  meta.json first: a .npy file cut short is a DataError naming it, not numpy's mmap error."""
 
   def __init__(self, prepared_dir: str, split: str):
-    self.arrays = {k: np.load(os.path.join(prepared_dir, f"{split}_{k}.npy"), mmap_mode="r") for k in SFT_KEYS}
+    files = (read_meta(prepared_dir) or {}).get("files", {})
+    paths = {k: os.path.join(prepared_dir, f"{split}_{k}.npy") for k in SFT_KEYS}
+    for path in paths.values():
+      record = files.get(os.path.basename(path))
+      problem = size_problem(path, record["bytes"]) if record else None
+      if problem is not None:
+        raise DataError(f"{problem}; prepare it again (rerun with its sources) or delete {prepared_dir}")
+    self.arrays = {k: np.load(path, mmap_mode="r") for k, path in paths.items()}
 
   def __len__(self) -> int:
     return len(self.arrays["inputs"])

@@ -344,6 +344,8 @@ class DataConfig(_Section):
   prepared_dir: str = ""  # where tokenized shards go; empty: <workdir>/data
   format: str = "text"  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
   on_error: str = "skip"  # chat: a bad conversation is skipped and counted ("skip") or stops the run ("stop")
+  # Reused shards are always size-checked; True also checks each one's sha256 and all its token ids (a full read).
+  verify: bool = False
 
   def __post_init__(self):
     self._check_types()

@@ -64,12 +64,15 @@ def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, Ru
 def _prepare_text(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunData]:
   data_cfg, train_cfg = run_config.data, run_config.train
   prepared_dir = data_cfg.prepared_dir or checkpoint_lib.local_dir(workdir, "data")
-  train_docs, _ = data_lib.split_documents(
-    data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
-  )
-  tokenizer = load_tokenizer_for_run(
-    run_config, workdir, lambda: (data_lib.read_document(ref, data_cfg.text_field)[0] for ref in train_docs)
-  )
+
+  def texts():
+    # Resolved only to train a tokenizer: missing sources are left to `prepare`, which names a damaged shard first.
+    train_docs, _ = data_lib.split_documents(
+      data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
+    )
+    return (data_lib.read_document(ref, data_cfg.text_field)[0] for ref in train_docs)
+
+  tokenizer = load_tokenizer_for_run(run_config, workdir, texts)
   meta = data_lib.prepare(
     data_cfg.sources,
     data_cfg.val_sources,
@@ -78,6 +81,7 @@ def _prepare_text(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunDa
     val_fraction=data_cfg.val_fraction,
     seed=run_config.seed,
     text_field=data_cfg.text_field,
+    verify=data_cfg.verify,
   )
   dataset = data_lib.train_dataset(
     prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()
@@ -103,6 +107,7 @@ def _prepare_chat(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunDa
     val_fraction=data_cfg.val_fraction,
     seed=run_config.seed,
     on_error=data_cfg.on_error,
+    verify=data_cfg.verify,
   )
   dataset = chat_data.sft_train_dataset(
     prepared_dir, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llama_jax import checkpoint as checkpoint_lib
-from llama_jax import cli, distributed, sharding
+from llama_jax import cli, distributed, sharding, workdir_lock
 from llama_jax import config as config_lib
 from llama_jax import data as data_lib
 from llama_jax.chat_data import SFT_KEYS
@@ -243,12 +243,25 @@ def _restore_or_init(
 
 def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
   """Trains (or resumes) a run in `workdir`; returns the last train and validation metrics. `hooks` run after the
-  run's own, after every step (tests inject faults this way)."""
+  run's own, after every step (tests inject faults this way). The workdir is locked for the run (workdir_lock.py): a
+  second run on it stops with one line naming this one."""
+  lock = workdir_lock.WorkdirLock(workdir)
+  try:
+    return _locked_train(run_config, workdir, hooks, lock)
+  finally:
+    lock.release()
+
+
+def _locked_train(
+  run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook], lock: workdir_lock.WorkdirLock
+) -> dict[str, Any]:
+  """`train`'s body: `lock` is taken once the config and mesh are checked, and released by `train` however it ends."""
   run_config = config_lib.run_config_from(run_config)  # every value is checked before anything is written
   distributed.maybe_initialize_distributed()
   model_cfg, train_cfg, is_main = run_config.model, run_config.train, distributed.is_main_process()
   trainer = Trainer(model_cfg, run_config, sharding.make_mesh(run_config.mesh))  # mesh and shapes checked too
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  lock.acquire()  # before anything else is written to the workdir (metadata, data, metrics, checkpoints)
   checkpointer = checkpoint_lib.TrainCheckpointer(
     workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every, async_save=train_cfg.async_save
   )
