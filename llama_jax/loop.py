@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from llama_jax import checkpoint as checkpoint_lib
+from llama_jax import distributed
 from llama_jax.errors import LlamaJaxError
 from llama_jax.metrics import MetricsWriter, append_line
 
@@ -218,23 +219,48 @@ class RecordBatchesHook(Hook):
 
 
 class PreemptionHook(Hook):
-  """SIGTERM (a preempted VM, a cluster scheduler) asks the loop to stop after the current step; the checkpoint hook
-  then saves it, and rerunning the same command resumes."""
+  """SIGTERM (a preempted VM, a cluster scheduler) stops the loop after a step; the checkpoint hook then saves that
+  step, and rerunning the same command resumes.
 
-  def __init__(self, echo: Callable[[str], None] | None):
-    self.echo, self.requested, self._loop, self._previous = echo, False, None, None
+  One process: a Python handler stops the loop after the current step. Several: the signal may reach only some of
+  them, yet all must stop at the same step (the save is collective; one that trained on would wait in the next step's
+  all-reduce). JAX's preemption service, on with jax.distributed, then owns SIGTERM and picks the step: a local check
+  after every step (no message; ~1 µs). Where that service is off, a Python handler notes the signal and the processes
+  compare notes every `agree_every` steps (an all-gather and a host sync, too dear for every step).
+  """
+
+  def __init__(self, echo: Callable[[str], None] | None, agree_every: int = 10):
+    self.echo, self.agree_every = echo, agree_every
+    self.requested = self.signalled = False
+    self._loop, self._previous, self._start, self._service, self._alone = None, None, 0, False, True
 
   def begin(self, loop: TrainLoop) -> None:
-    self._loop = loop
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._loop, self._start, self._alone = loop, loop.step, jax.process_count() == 1
+    self._service = distributed.preemption_sync_available()
+    if not self._service:  # a Python handler would replace the service's C++ one, and the service would never know
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame) -> None:
+    self.signalled = True
+    if self._alone:
+      self._stop()
+
+  def after_step(self, info: StepInfo) -> None:
+    if self._service:
+      # Steps run by this process, from 1: what the service counts in (all processes start at the same step).
+      if distributed.reached_preemption_sync_point(info.step - self._start):
+        self._stop()
+    elif not self._alone and info.step % self.agree_every == 0 and distributed.any_process(self.signalled):
+      self._stop()
+
+  def _stop(self) -> None:
     self.requested = True
     self._loop.request_stop()
 
   def end(self, info: StepInfo) -> None:
     if self.requested and self.echo is not None:
-      self.echo(f"stopped by signal at step {info.step}; checkpoint saved, rerun the same command to resume")
+      who = "" if self._alone else f" (SIGTERM reached one or more of the {jax.process_count()} processes)"
+      self.echo(f"stopped by signal at step {info.step}{who}; checkpoint saved, rerun the same command to resume")
 
   def close(self) -> None:
     if self._previous is not None:
