@@ -381,10 +381,18 @@ class TrainCheckpointer:
     """Creates and removes an empty file where the step will go. A directory orbax may not write to fails its async
     save only after the save's threads have started, and those then wait forever for a directory that never comes
     (the process hangs at exit); failing here, before orbax starts anything, ends the run at once."""
+    failure = None
     if jax.process_index() == 0:
       probe = epath.Path(_steps_path(self.workdir)) / f".write-probe-{step}"
-      probe.write_text("")
-      probe.unlink()
+      try:
+        probe.write_text("")
+        probe.unlink()
+      except OSError as e:
+        failure = e
+    # Every process learns the verdict: the others would otherwise enter orbax's collective save and wait at its
+    # barrier until a timeout ends them.
+    if not _agree(failure is None, everywhere=False):
+      raise failure or OSError(f"process 0 cannot write to {_steps_path(self.workdir)}")
 
   def _digest_before_commit(self) -> None:
     """orbax's post-finalization callback, on process 0 once every process has written its part of the step and
@@ -438,6 +446,14 @@ class TrainCheckpointer:
         try:
           state, data_state = self.restore(step, abstract_state)
         except (ValueError, OSError, KeyError) as e:
+          if (_step_dir(self.workdir, step) / DIGESTS_FILE).exists():
+            # The files are as saved: not damage but a failed read (a transient I/O error, a train state that no
+            # longer matches this run's optimizer settings). Falling back would roll the run back and set a good
+            # step aside; stop instead, moving nothing.
+            raise CheckpointError(
+              f"checkpoint step {step} of workdir {self.workdir!r} matches its digests but does not restore "
+              f"({_first_line(e)}); nothing was moved. Check the run config against run_config.json, or retry"
+            ) from None
           reason, intact = f"it does not restore ({_first_line(e)})", False
         intact = _agree(intact, everywhere=True)
       if intact:

@@ -324,6 +324,12 @@ def _check_tied_head(
   for start, stop in row_blocks((cfg.vocab_size, cfg.dim)):
     head = read_rows(_TIED_HEAD, start, stop).astype(np.float32)
     embedding = read_rows("model.embed_tokens.weight", start, stop).astype(np.float32)
+    for name, rows in ((_TIED_HEAD, head), ("model.embed_tokens.weight", embedding)):
+      if not np.isfinite(rows).all():  # damage, not a distinct head: say so, as _params_from_rows would
+        raise ConvertError(
+          f"tensor {name!r} in {file} holds NaN or infinity (rows {start}-{stop - 1}): the file is damaged, or "
+          "the model was saved after it diverged"
+        )
     if not np.array_equal(head, embedding):
       differs = True
       worst = max(worst, float(np.nan_to_num(np.abs(head - embedding), nan=np.inf).max()))

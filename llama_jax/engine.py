@@ -496,9 +496,13 @@ class Engine:
     """Queues a request (validated first); its outputs arrive through `request.on_output`. Refused when
     `max_queue` requests already wait (EngineBusy), or when the engine's thread has died (EngineError)."""
     self.validate(request)
-    if self._thread is not None and not self._thread.is_alive():
-      raise EngineError(f"the engine stopped after an error: {self.failure}")
-    with self._wake:
+    with self._wake:  # `failure` is set under the same lock as the last drain of the queue: nothing joins it after
+      if self.failure is not None:
+        raise EngineError(f"the engine stopped after an error: {self.failure}")
+      if len(self._queue) >= self.max_queue:  # requests cancelled while waiting leave room first
+        waiting = [r for r in self._queue if not r.cancelled]
+        self._queue.clear()
+        self._queue.extend(waiting)
       if len(self._queue) >= self.max_queue:
         raise EngineBusy(
           f"{len(self._queue)} requests are already waiting (the limit is {self.max_queue}); retry later"
@@ -509,7 +513,7 @@ class Engine:
 
   def alive(self) -> bool:
     """False once the scheduler thread has died (started engines only)."""
-    return self._thread is None or self._thread.is_alive()
+    return self.failure is None and (self._thread is None or self._thread.is_alive())
 
   def cancel(self, request: Request) -> None:
     """Stops a request (client gone, stop string seen): it receives no output from now on (no finish either), and
@@ -730,8 +734,8 @@ class Engine:
         try:
           self._fail_all(error)
         except Exception as fatal:  # noqa: BLE001 (the slots cannot be rebuilt: fail what waits and stop)
-          self.failure = f"{type(fatal).__name__}: {fatal}"
           with self._wake:
+            self.failure = f"{type(fatal).__name__}: {fatal}"
             waiting = list(self._queue)
             self._queue.clear()
           for request in waiting:
@@ -748,11 +752,11 @@ class Engine:
     and starts again from empty slots (queued requests wait for them): the engine keeps serving."""
     running = [r for r in self._slot_requests if r is not None]
     self._slot_requests = [None] * self.slots
+    for request in running:  # first: if the rebuild below fails too, these have heard already
+      self._fail(request, error)
     self.state = None  # the old cache is freed before the new one is made
     with sharding.activate(self.sampler.mesh, self.sampler.rules):
       self.state = self._empty_state()
-    for request in running:
-      self._fail(request, error)
 
   def generate(self, requests: Sequence[Request], timeout: float = 600.0) -> None:
     """Runs the requests to the end on the calling thread (engine not started): tests and benches."""

@@ -467,8 +467,8 @@ def serve(args) -> None:
 
   if args.slots < 1:
     raise EngineError(f"--slots must be ≥ 1, got {args.slots}")
-  if args.max_queue < 0:
-    raise EngineError(f"--max_queue must be ≥ 0, got {args.max_queue}")
+  if args.max_queue < 1:
+    raise EngineError(f"--max_queue must be ≥ 1, got {args.max_queue}")
   if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
     raise EngineError(f"--max_prefill_tokens must be ≥ 1, got {args.max_prefill_tokens}")
   if not 0 < args.port < 65536:

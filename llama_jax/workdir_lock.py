@@ -105,7 +105,7 @@ class WorkdirLock:
     if jax.process_count() > 1:
       taken = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
       if not taken and error is None:
-        raise WorkdirLockedError(f"process 0 could not lock workdir {self.workdir!r}; its error names the holder")
+        raise WorkdirLockedError(f"process 0 could not lock workdir {self.workdir!r}; its error says why")
     if error is not None:
       raise error
 

@@ -267,3 +267,22 @@ def test_permission_denied_names_the_path_and_keeps_the_latest_step(trained, tmp
   assert "\n" not in message
   assert saved_steps(workdir) == ["4", "8"]
   assert restore_latest(workdir)[0] == 8
+
+
+def test_a_step_that_matches_its_digests_but_does_not_restore_stops_and_moves_nothing(trained, tmp_path):
+  """Not damage (the files are as saved) but a train state this run does not have: falling back would roll the run
+  back and set a good step aside, so the run stops instead, naming the step."""
+  import jax
+  import jax.numpy as jnp
+
+  workdir = copy_of(trained, tmp_path)
+  run_config = run_config_of(workdir)
+  trainer = train.Trainer(run_config.model, run_config, sharding.make_mesh(run_config.mesh))
+  abstract = dict(trainer.abstract_state(), extra=jax.ShapeDtypeStruct((3,), jnp.float32))
+  checkpointer = checkpoint.TrainCheckpointer(str(workdir))
+  try:
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 8 of workdir .* matches its digests but does not"):
+      checkpointer.restore_latest(abstract)
+  finally:
+    checkpointer.close()
+  assert saved_steps(workdir) == ["4", "8"]

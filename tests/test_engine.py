@@ -235,3 +235,52 @@ def test_admission_batches_respect_free_slots_the_prefill_budget_and_scoring_req
   engine._slot_requests = [None, requests[0], requests[1], requests[2]]  # one slot free
   engine._queue.extend([Request([5] * 3, 4, Collector()) for _ in range(2)])
   assert len(engine._next_admissions()) == 1
+
+
+def test_a_partial_admission_pads_rows_that_write_nowhere(sampler, engine):
+  """One request runs in slot 0 while three more arrive: they are prefilled in one call of 4 rows (the padding row
+  aimed past the last slot) into slots 1–3, and every output, the running request's included, equals its own."""
+  prompts = random_prompts(4, seed=9)
+  alone = [sampler.generate([p], 40)[0] for p in prompts]
+  collectors = [Collector() for _ in prompts]
+  engine.submit(Request(prompts[0], 40, collectors[0]))
+  engine.step()  # admitted alone, then one chunk of steps
+  before = engine.stats["prefill_calls"]
+  engine.generate([Request(p, 40, c) for p, c in zip(prompts[1:], collectors[1:])])
+  assert engine.stats["prefill_calls"] - before == 1
+  assert [c.tokens for c in collectors] == alone
+
+
+def test_requests_cancelled_while_waiting_make_room_in_a_full_queue(sampler):
+  engine = Engine(sampler, slots=2, max_len=96, max_queue=1)
+  engine.cancel(engine.submit(Request([5, 6], 4, Collector())))
+  engine.submit(Request([5, 6], 4, Collector()))
+  assert engine.queued() == 1
+
+
+def test_an_engine_that_cannot_rebuild_its_slots_fails_every_request_and_refuses_new_ones(sampler):
+  """A step fails (its running request ends with the error), then so does making empty slots again: the waiting
+  request hears of it too, the thread stops, and a later submission is refused instead of waiting for ever."""
+  engine = Engine(sampler, slots=1, max_len=64)
+
+  def device_lost(*_):
+    raise RuntimeError("device lost")
+
+  def out_of_memory():
+    raise RuntimeError("out of memory")
+
+  engine._run_rows, engine._empty_state = device_lost, out_of_memory
+  running, waiting = Collector(), Collector()
+  engine.submit(Request([5, 6], 8, running))
+  engine.submit(Request([5, 7], 8, waiting))
+  engine.start()
+  try:
+    assert running.done.wait(120) and waiting.done.wait(120)
+    assert running.finish_reason == waiting.finish_reason == "error"
+    assert "device lost" in running.outputs[-1].error and "out of memory" in waiting.outputs[-1].error
+    engine._thread.join(60)
+    assert not engine.alive()
+    with pytest.raises(EngineError, match="the engine stopped after an error: RuntimeError: out of memory"):
+      engine.submit(Request([5], 2, Collector()))
+  finally:
+    engine.stop()

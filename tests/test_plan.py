@@ -108,7 +108,7 @@ def decode_cache_bytes(batch, slots, data=2, tensor=4, kv_heads=4, head_dim=32, 
 
 def test_decode_plan_of_the_tiny_config_on_8_devices(tmp_path):
   out = tmp_path / "plan.json"
-  result = run_plan(*DECODE_ARGS, "--hbm_gib", "0.002", "--json", str(out))
+  result = run_plan(*DECODE_ARGS, "--hbm_gib", "0.0015", "--json", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mesh      data 2 × fsdp 1 × tensor 4 = 8 devices (cpu)" in result.stdout
   plan = json.loads(out.read_text())
@@ -130,7 +130,7 @@ def test_decode_plan_of_the_tiny_config_on_8_devices(tmp_path):
     "TPU v5p",
     "H100",
     "H200",
-    "--hbm_gib 0.002  0.002 GiB: batch 8 does not fit",
+    "--hbm_gib 0.0015 0.0015 GiB: batch 8 does not fit",
   ):
     assert line in result.stdout, result.stdout
 
