@@ -416,10 +416,11 @@ class TrainCheckpointer:
     self.manager.reload()  # what is committed on disk, not what orbax had started
     latest = self.manager.latest_step()
     kept = f"the latest checkpoint is still step {latest}" if latest is not None else "no checkpoint is saved yet"
-    return CheckpointError(
+    message = (
       f"could not write checkpoint step {step} to {path or os.path.join(_steps_path(self.workdir), str(step))} "
       f"({reason}); {kept}. Free disk space or fix the permissions, then rerun the same command to resume"
     )
+    return CheckpointError(" ".join(message.split()))  # one line, whatever the writer's error text held
 
   def restore(self, step: int, abstract_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     abstract_train = {k: v for k, v in abstract_state.items() if k != "params"}
