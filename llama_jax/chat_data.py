@@ -28,12 +28,12 @@ from llama_jax.data import (
   DataError,
   cannot_prepare,
   file_record,
-  in_validation,
   prepared_meta,
   process_batches,
   read_meta,
   resolve_sources,
   size_problem,
+  validation_ids,
   write_meta,
 )
 
@@ -216,8 +216,9 @@ def prepare_sft(
     skipped_examples=problems[:5],
     files={},
   )
+  held_out = validation_ids([loc for loc, _ in conversations], val_fraction, seed)
   for split in ("train", "val"):
-    chosen = [(loc, m) for loc, m in conversations if in_validation(loc, val_fraction, seed) == (split == "val")]
+    chosen = [(loc, m) for loc, m in conversations if (loc in held_out) == (split == "val")]
     encoded, too_long = [], 0
     for _, messages in chosen:
       try:

@@ -160,9 +160,19 @@ def _fingerprint(train: Sequence[DocumentRef], val: Sequence[DocumentRef], token
   return digest.hexdigest()
 
 
-def in_validation(doc_id: str, fraction: float, seed: int) -> bool:
-  h = int.from_bytes(hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()[:8], "little")
-  return h / 2**64 < fraction
+def _split_hash(item_id: str, seed: int) -> float:
+  return int.from_bytes(hashlib.sha256(f"{seed}:{item_id}".encode()).digest()[:8], "little") / 2**64
+
+
+def validation_ids(item_ids: Sequence[str], fraction: float, seed: int) -> set[str]:
+  """The ids held out by a seeded hash split of `fraction`. When the fraction is above zero and there are two or more
+  items, at least one is held out (the lowest hash): a bare hash split of 20 documents at 0.3 leaves validation empty
+  about once in 1,200 directories (0.7**20), and then evaluation silently had nothing to score."""
+  hashes = {item_id: _split_hash(item_id, seed) for item_id in item_ids}
+  held_out = {item_id for item_id, h in hashes.items() if h < fraction}
+  if fraction > 0 and not held_out and len(hashes) >= 2:
+    held_out = {min(hashes, key=hashes.get)}
+  return held_out
 
 
 def split_documents(
@@ -176,8 +186,9 @@ def split_documents(
     val_ids = {r.doc_id for r in val}
     train = [r for r in train if r.doc_id not in val_ids]
   else:
-    val = [r for r in train if in_validation(r.doc_id, val_fraction, seed)]
-    train = [r for r in train if not in_validation(r.doc_id, val_fraction, seed)]
+    held_out = validation_ids([r.doc_id for r in train], val_fraction, seed)
+    val = [r for r in train if r.doc_id in held_out]
+    train = [r for r in train if r.doc_id not in held_out]
   if not train:
     raise DataError(f"no training documents left in {list(sources)} after removing the validation documents")
   return train, val
