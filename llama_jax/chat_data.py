@@ -243,12 +243,13 @@ def prepare_sft(
 
 
 class PackedRows:
-  """Random access to the packed conversation rows of a split (memory-mapped), each file size-checked against
-  meta.json first: a .npy file cut short is a DataError naming it, not numpy's mmap error."""
+  """Random access to the packed conversation rows of a split (memory-mapped; preference pairs use it with their own
+  `keys`), each file size-checked against meta.json first: a .npy file cut short is a DataError naming it, not
+  numpy's mmap error."""
 
-  def __init__(self, prepared_dir: str, split: str):
+  def __init__(self, prepared_dir: str, split: str, keys: Sequence[str] = SFT_KEYS):
     files = (read_meta(prepared_dir) or {}).get("files", {})
-    paths = {k: os.path.join(prepared_dir, f"{split}_{k}.npy") for k in SFT_KEYS}
+    paths = {k: os.path.join(prepared_dir, f"{split}_{k}.npy") for k in keys}
     for path in paths.values():
       record = files.get(os.path.basename(path))
       problem = size_problem(path, record["bytes"]) if record else None
@@ -257,7 +258,7 @@ class PackedRows:
     self.arrays = {k: np.load(path, mmap_mode="r") for k, path in paths.items()}
 
   def __len__(self) -> int:
-    return len(self.arrays["inputs"])
+    return len(next(iter(self.arrays.values())))
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     return {k: np.asarray(v[index]) for k, v in self.arrays.items()}

@@ -25,6 +25,7 @@ A training workdir may be a local path or a remote one (``gs://bucket/run``): ev
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from llama_jax import lora
 from llama_jax.config import ModelConfig
 from llama_jax.errors import LlamaJaxError
 from llama_jax.tokenizer import TOKENIZER_FILE
@@ -59,8 +61,21 @@ class CheckpointError(LlamaJaxError, ValueError):
   """A checkpoint directory is missing, incomplete or does not match; the message names the path."""
 
 
-# Fields that fix parameter shapes and dtypes: a workdir whose checkpoint differs in any of them is refused.
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "tie_embeddings", "param_dtype")
+# Fields that fix parameter shapes and dtypes: a workdir whose checkpoint differs in any of them is refused. The norm
+# fields decide which parameters exist (norm "none", post-norm's missing final norm) and what a scale multiplies;
+# model configs saved before they existed read as rmsnorm / pre, the defaults, which is what those models were.
+SHAPE_FIELDS = (
+  "vocab_size",
+  "dim",
+  "n_layers",
+  "n_heads",
+  "n_kv_heads",
+  "hidden_dim",
+  "tie_embeddings",
+  "param_dtype",
+  "norm",
+  "norm_position",
+)
 
 
 def is_remote(path: str) -> bool:
@@ -250,11 +265,15 @@ def load_params(
   """(model config, params) of the latest (or given) complete step of a checkpoint directory, each array restored
   straight into its sharding (default: the first local device) and, with `dtype`, cast as it is read (a bf16
   restore of float32 weights never holds them in float32). The returned config is the stored one."""
+  from llama_jax import sharding  # checkpoint sits below the model; the restore target needs its shapes
+  from llama_jax.model import Llama
+
+  record = lora.read_record(directory)
+  if record is not None:
+    return _load_merged_lora(directory, record, step, shardings, dtype)
   cfg = read_model_config(directory)
   manager = _manager(directory, create=False) if (epath.Path(directory) / STEPS_DIR).is_dir() else None
   step = checked_step(directory, manager.all_steps() if manager else [], step, items=("params",))
-  from llama_jax import sharding  # checkpoint sits below the model; the restore target needs its shapes
-  from llama_jax.model import Llama
 
   _, target = sharding.abstract_params(Llama, cfg if dtype is None else cfg.replace(param_dtype=dtype))
   if shardings is None:
@@ -267,6 +286,46 @@ def load_params(
   manager.close()
   _check_finite(restored["params"], f"checkpoint directory {directory!r} step {step}")
   return cfg, restored["params"]
+
+
+def resolve_step(directory: str, step: int | None = None) -> int:
+  """The step `load_params` reads: the latest complete one (or `step`), its digests checked."""
+  if not (epath.Path(directory) / STEPS_DIR).is_dir():
+    raise CheckpointError(f"checkpoint directory {directory!r} holds no complete checkpoint step")
+  manager = _manager(directory, create=False)
+  try:
+    return checked_step(directory, manager.all_steps(), step, items=("params",))
+  finally:
+    manager.close()
+
+
+def _load_merged_lora(
+  directory: str, record: dict[str, Any], step: int | None, shardings: Any, dtype: str | None
+) -> tuple[ModelConfig, Any]:
+  """A LoRA workdir read as a plain model: its base (the step lora.json names, checked unchanged) with the adapters
+  of this directory's step folded into the weights, each merged weight placed as the base's."""
+  import numpy as np
+
+  from llama_jax import sharding
+  from llama_jax.model import Llama
+
+  lora.check_base(directory, record)
+  lora_cfg = lora.config_of(record)
+  cfg, base = load_params(record["base"], step=record["base_step"], shardings=shardings, dtype=dtype)
+  step = resolve_step(directory, step)
+  manager = _manager(directory, create=False)
+  with restore_errors(directory, step):
+    # Adapters are small: restored as host arrays, so they join a base on any devices (or none).
+    item = lora.split(sharding.abstract_params(functools.partial(Llama, lora=lora_cfg), cfg)[1])[1]
+    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
+    adapters = manager.restore(
+      step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args))
+    )["params"]
+  manager.close()
+  _check_finite(adapters, f"LoRA workdir {directory!r} step {step}")
+  target = jax.tree.map(lambda a: a.sharding, base)
+  merge = jax.jit(lambda b, a: lora.merge(b, a, lora_cfg.scale), out_shardings=target, donate_argnums=0)
+  return cfg, merge(base, adapters)
 
 
 def _check_finite(params: Any, where: str) -> None:

@@ -29,11 +29,14 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
-DATA_FORMATS = ("text", "chat")
+DATA_FORMATS = ("text", "chat", "preference")
 ON_ERROR = ("skip", "stop")
 NONFINITE_POLICIES = ("stop", "skip")
 QUANTIZE_MODES = ("none", "int8")
+NORMS = ("rmsnorm", "layernorm", "none")
+NORM_POSITIONS = ("pre", "post")
 MESH_AXES = ("data", "fsdp", "tensor")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the projections LoRA can adapt
 
 
 class ConfigError(LlamaJaxError, ValueError):
@@ -53,6 +56,10 @@ class ModelConfig:
   ffn_dim_multiplier: float | None = None
   ffn_hidden_dim: int | None = None  # explicit MLP width (HF `intermediate_size`); overrides the rule above
   norm_eps: float = 1e-5
+  # rmsnorm (LLaMA) | layernorm (mean and variance, scale only: no bias) | none. Statistics in float32 either way.
+  norm: str = "rmsnorm"
+  # pre: x + f(norm(x)), then a final norm (LLaMA) | post: norm(x + f(x)) (the original Transformer), no final norm
+  norm_position: str = "pre"
   rope_theta: float = 10000.0
   rope_scaling: str = "none"  # none | linear | llama3
   rope_scaling_factor: float = 1.0  # linear and llama3: wavelengths are stretched by this factor
@@ -112,6 +119,12 @@ class ModelConfig:
     _check_choice("remat", self.remat, REMAT_POLICIES)
     _check_choice("attention", self.attention, ATTENTION_IMPLS)
     _check_choice("quantize", self.quantize, QUANTIZE_MODES)
+    _check_choice("norm", self.norm, NORMS)
+    _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+    if self.norm == "none" and self.norm_position == "post":
+      raise ConfigError(
+        "norm_position 'post' normalises each residual sum, but norm is 'none'; use norm_position='pre'"
+      )
     if self.rope_scaling == "llama3":
       if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
         raise ConfigError(
@@ -140,9 +153,11 @@ class ModelConfig:
     of each projection and per embedding row, which are not counted."""
     d, f, h = self.dim, self.hidden_dim, self.head_dim
     attention = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
-    layer = attention + 3 * d * f + 2 * d
+    norm = 0 if self.norm == "none" else d  # one scale per norm; post-norm has no final norm
+    final_norm = norm if self.norm_position == "pre" else 0
+    layer = attention + 3 * d * f + 2 * norm
     head = 0 if self.tie_embeddings else self.vocab_size * d
-    return self.vocab_size * d + self.n_layers * layer + d + head
+    return self.vocab_size * d + self.n_layers * layer + final_norm + head
 
   def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
@@ -245,13 +260,24 @@ def _check_range(
 
 
 class _Section:
-  """A run-config section: frozen fields with types checked by annotation, unknown keys refused by name."""
+  """A run-config section: frozen fields with types checked by annotation, unknown keys refused by name. A field
+  that is itself a section (``train.lora``) is built from its mapping and checked the same way."""
 
   SECTION = ""
 
   def _check_types(self) -> None:
+    hints = typing.get_type_hints(type(self))
     for field in dataclasses.fields(self):
-      _check_type(self, self.SECTION, field.name)
+      sub = hints[field.name]
+      if isinstance(sub, type) and issubclass(sub, _Section):
+        value = getattr(self, field.name)
+        if isinstance(value, Mapping) or hasattr(value, "to_dict"):
+          value = sub.from_dict(value.to_dict() if hasattr(value, "to_dict") else value)
+        if not isinstance(value, sub):
+          raise ConfigError(f"{sub.SECTION} must be a section of keys, got {value!r}")
+        object.__setattr__(self, field.name, value)
+      else:
+        _check_type(self, self.SECTION, field.name)
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]):
@@ -261,6 +287,31 @@ class _Section:
       if key not in known:
         raise ConfigError(f"unknown run config key {cls.SECTION}.{key}{did_you_mean(cls.SECTION, key, known)}")
     return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig(_Section):
+  """Low-rank adapters (lora.py): each targeted projection W gets A [in, rank] (random) and B [rank, out] (zeros),
+  and computes x·W + (alpha / rank)·(x·A)·B; only A and B train, the base model (init_from) stays frozen."""
+
+  SECTION = "train.lora"
+  rank: int = 0  # 0: no adapters, every parameter trains
+  alpha: float = 16.0
+  targets: tuple[str, ...] = LORA_TARGETS
+
+  def __post_init__(self):
+    self._check_types()
+    _check_range("train.lora.rank", self.rank, 0)
+    _check_range("train.lora.alpha", self.alpha, 0, low_open=True)
+    unknown = [t for t in self.targets if t not in LORA_TARGETS]
+    if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+      raise ConfigError(
+        f"train.lora.targets must be distinct names from {', '.join(LORA_TARGETS)}; got {self.targets!r}"
+      )
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +345,9 @@ class TrainConfig(_Section):
   # saving nothing after it; "skip": it is skipped (counted in the log) unless max_skipped_steps follow in a row.
   on_nonfinite: str = "stop"
   max_skipped_steps: int = 10
+  dpo_beta: float = 0.1  # data.format "preference": the DPO β (how far the policy may move from the reference)
+  # LoRA fine-tuning of the init_from model (rank 0: off): e.g. --config.train.lora.rank=8.
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
   def __post_init__(self):
     self._check_types()
@@ -310,6 +364,7 @@ class TrainConfig(_Section):
       _check_range(f"train.{name}", getattr(self, name), 0)
     _check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
     _check_range("train.max_skipped_steps", self.max_skipped_steps, 1)
+    _check_range("train.dpo_beta", self.dpo_beta, 0, low_open=True)
     if self.batch_size % self.grad_accum:
       raise ConfigError(f"train.batch_size {self.batch_size} is not divisible by train.grad_accum {self.grad_accum}")
     if self.keep_every % self.save_every:
@@ -343,7 +398,8 @@ class DataConfig(_Section):
   vocab_size: int = 4096  # for a trained tokenizer
   prepared_dir: str = ""  # where tokenized shards go; empty: <workdir>/data
   format: str = "text"  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
-  on_error: str = "skip"  # chat: a bad conversation is skipped and counted ("skip") or stops the run ("stop")
+  # | preference: prompt + chosen/rejected responses for DPO (preference_data.py)
+  on_error: str = "skip"  # chat, preference: a bad line is skipped and counted ("skip") or stops the run ("stop")
   # Reused shards are always size-checked; True also checks each one's sha256 and all its token ids (a full read).
   verify: bool = False
 
@@ -361,10 +417,10 @@ class DataConfig(_Section):
       raise ConfigError(
         f"set data.val_sources or data.val_fraction, not both (got {self.val_sources!r} and {self.val_fraction})"
       )
-    if self.val_sources and self.format == "chat":
+    if self.val_sources and self.format != "text":
       raise ConfigError(
-        f"data.val_sources {self.val_sources!r} is not used with data.format='chat': conversations "
-        f"are held out by data.val_fraction"
+        f"data.val_sources {self.val_sources!r} is not used with data.format={self.format!r}: conversations "
+        f"and pairs are held out by data.val_fraction"
       )
 
 
@@ -457,6 +513,22 @@ class RunConfig:
       raise ConfigError(
         "model.quantize is for decoding (sample/evaluate --quantize int8); training needs float weights"
       )
+    if self.data.format == "preference" and not self.init_from:
+      raise ConfigError(
+        "data.format='preference' (DPO) tunes a trained model against itself: set init_from to its checkpoint "
+        "directory, e.g. the SFT run's workdir"
+      )
+    if self.train.lora.rank:
+      if not self.init_from:
+        raise ConfigError(
+          f"train.lora.rank {self.train.lora.rank} adapts a trained model: set init_from to its checkpoint "
+          f"directory (or train.lora.rank=0 to train every parameter)"
+        )
+      if self.train.lora.rank > self.model.dim:
+        raise ConfigError(
+          f"train.lora.rank must be in [1, model.dim={self.model.dim}] (a rank past the width adds nothing), "
+          f"got {self.train.lora.rank}"
+        )
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "

@@ -4,6 +4,8 @@ directories, and llama_jax checkpoints → HF directories.
     python -m llama_jax.convert --from_hf HF_DIR --out CKPT_DIR      # config.json + (sharded) *.safetensors
     python -m llama_jax.convert --from_meta META_DIR --out CKPT_DIR  # params.json + consolidated.NN.pth (needs torch)
     python -m llama_jax.convert --to_hf CKPT_DIR --out HF_DIR        # → config.json + *.safetensors for transformers
+    python -m llama_jax.convert --merge_lora LORA_DIR --out CKPT_DIR  # a LoRA workdir's base + adapters, merged
+    python -m llama_jax.convert --to_hf LORA_DIR --peft --out DIR    # its adapter for HF peft
 
 Conversion streams tensor by tensor, so peak host memory stays near the model's bytes (bench/convert_memory.py
 measures it): --from_hf reads each safetensors tensor from its file in pieces straight into preallocated stacked
@@ -26,6 +28,7 @@ meta_checkpoint.py reads Meta's params.json and merges its model-parallel shards
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -42,6 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from llama_jax import checkpoint, safetensors_stream
+from llama_jax import lora as lora_lib
 from llama_jax.cli import ArgumentParser
 from llama_jax.config import ConfigError, ModelConfig
 from llama_jax.errors import LlamaJaxError, run_or_exit
@@ -54,6 +58,16 @@ _DTYPES_FROM_HF = {"float32": "float32", "bfloat16": "bfloat16", "float16": "flo
 
 class ConvertError(LlamaJaxError, ValueError):
   """The input cannot be converted; the message names the file, tensor or value."""
+
+
+def check_hf_expressible(cfg: ModelConfig, where: str = "the model") -> None:
+  """Refuses a norm variant (config.NORMS, NORM_POSITIONS) for HF conversion: transformers' LlamaForCausalLM is
+  RMSNorm before each sub-layer plus a final norm, and has no place for a layernorm, a post-norm or no norm."""
+  if (cfg.norm, cfg.norm_position) != ("rmsnorm", "pre"):
+    raise ConvertError(
+      f"{where} has norm={cfg.norm!r}, norm_position={cfg.norm_position!r}; HF Llama has only norm='rmsnorm', "
+      f"norm_position='pre', so it cannot be converted"
+    )
 
 
 # The keys of a transformers Llama config.json that have no default (shapes follow from them).
@@ -221,6 +235,7 @@ class HFTensor(NamedTuple):
 
 def hf_tensor_plan(cfg: ModelConfig) -> list[HFTensor]:
   """Every HF tensor of the model, grouped by params leaf (so a leaf is needed once, then never again)."""
+  check_hf_expressible(cfg)
   d, f, h = cfg.dim, cfg.hidden_dim, cfg.head_dim
   layer_shapes = {
     "input_layernorm.weight": (d,),
@@ -581,8 +596,75 @@ class _CheckpointLeaves:
       self._manager.close()
 
 
+class _MergedLeaves:
+  """The leaves of a LoRA workdir read as a plain model: each of its base's leaves (the step lora.json names, as
+  `_CheckpointLeaves` reads them) with the adapter folded in, W + scale·A·B in float32 then W's dtype. The adapters
+  are small and read whole; the base is still read one leaf at a time."""
+
+  def __init__(self, directory: str, step: int | None = None):
+    record = lora_lib.read_record(directory)
+    lora_lib.check_base(directory, record)
+    self.lora = lora_lib.config_of(record)
+    self._base = _CheckpointLeaves(record["base"], record["base_step"])
+    self.cfg, self.directory = self._base.cfg, directory
+    try:
+      self.step, self.adapters = _read_adapters(directory, self.cfg, self.lora, step)
+    except BaseException:
+      self._base.close()
+      raise
+
+  def __call__(self, path: tuple[str, ...]) -> np.ndarray:
+    value = self._base(path)
+    name = path[-1]
+    if path[0] != "layers" or name not in self.lora.targets:
+      return value
+    node = self.adapters["layers"][path[1]]
+    change = lora_lib.delta(
+      node[name + lora_lib.A_SUFFIX],
+      node[name + lora_lib.B_SUFFIX],
+      self.lora.scale,
+      lora_lib.TARGET_MODULES[name][1],
+      xp=np,
+    )
+    return (value.astype(np.float32) + change).astype(value.dtype)
+
+  def close(self) -> None:
+    self._base.close()
+
+
+def _read_adapters(directory: str, cfg: ModelConfig, lora: Any, step: int | None) -> tuple[int, dict[str, Any]]:
+  """(step, adapters as numpy) of a LoRA workdir's latest (or given) complete step, digests checked."""
+  from llama_jax import sharding
+  from llama_jax.model import Llama
+
+  step = checkpoint.resolve_step(directory, step)
+  item = lora_lib.split(sharding.abstract_params(functools.partial(Llama, lora=lora), cfg)[1])[1]
+  restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
+  options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+  manager = ocp.CheckpointManager(
+    checkpoint._steps_path(directory), options=options, item_handlers={"params": ocp.PyTreeCheckpointHandler()}
+  )
+  try:
+    with checkpoint.restore_errors(directory, step):
+      restored = manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args))
+      )["params"]
+  finally:
+    manager.close()
+  if not all(np.isfinite(a).all() for a in jax.tree.leaves(restored)):
+    raise checkpoint.CheckpointError(
+      f"LoRA workdir {directory!r} step {step} holds non-finite adapter values (NaN or infinity); use an earlier step"
+    )
+  return step, restored
+
+
+def _leaves_of(directory: str, step: int | None):
+  """The params of a checkpoint directory one leaf at a time: a LoRA workdir's merged into its base."""
+  return _MergedLeaves(directory, step) if lora_lib.read_record(directory) else _CheckpointLeaves(directory, step)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# The three conversions
+# The conversions
 
 
 def _check_new_output(out_dir: str) -> None:
@@ -642,12 +724,53 @@ def from_meta(meta_dir: str, out_dir: str) -> ModelConfig:
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, step: int | None = None) -> ModelConfig:
-  """llama_jax checkpoint directory (latest or given step) → new HF directory."""
+  """llama_jax checkpoint directory (latest or given step) → new HF directory; a LoRA workdir gives its merged
+  weights."""
   _check_new_output(out_dir)
-  with contextlib.closing(_CheckpointLeaves(checkpoint_dir, step)) as leaves, _new_output_dir(out_dir) as scratch:
+  check_hf_expressible(checkpoint.read_model_config(checkpoint_dir), repr(checkpoint_dir))
+  with contextlib.closing(_leaves_of(checkpoint_dir, step)) as leaves, _new_output_dir(out_dir) as scratch:
     _write_hf_tensors(scratch, leaves.cfg, leaves, max_shard_bytes)
     _write_hf_metadata(scratch, leaves.cfg, _tokenizer_in(checkpoint_dir))
   return leaves.cfg
+
+
+def _lora_record(directory: str) -> dict[str, Any]:
+  record = lora_lib.read_record(directory)
+  if record is None:
+    raise ConvertError(f"{directory!r} is not a LoRA workdir: it has no {lora_lib.LORA_FILE}")
+  return record
+
+
+def merge_lora(checkpoint_dir: str, out_dir: str, step: int | None = None) -> ModelConfig:
+  """LoRA workdir → new llama_jax checkpoint directory of the merged weights (W + scale·A·B), a plain model that
+  every command reads, and a base for another run."""
+  _lora_record(checkpoint_dir)
+  _check_new_output(out_dir)
+  with contextlib.closing(_MergedLeaves(checkpoint_dir, step)) as leaves:
+    cfg = leaves.cfg
+    params = jax.tree_util.tree_map_with_path(lambda path, _: leaves(tuple(k.key for k in path)), _empty_params(cfg))
+  with _new_output_dir(out_dir) as scratch:
+    checkpoint.save_params_dir(scratch, cfg, params, tokenizer_path=_tokenizer_in(checkpoint_dir))
+  return cfg
+
+
+def to_peft(checkpoint_dir: str, out_dir: str, step: int | None = None) -> ModelConfig:
+  """LoRA workdir → new peft adapter directory (adapter_config.json, adapter_model.safetensors) for the HF export
+  of its base (``--to_hf BASE``); ``PeftModel.from_pretrained(base, out_dir)`` then gives this model's logits."""
+  import safetensors.numpy
+
+  record = _lora_record(checkpoint_dir)
+  _check_new_output(out_dir)
+  lora_lib.check_base(checkpoint_dir, record)
+  cfg, lora = checkpoint.read_model_config(checkpoint_dir), lora_lib.config_of(record)
+  _, adapters = _read_adapters(checkpoint_dir, cfg, lora, step)
+  with _new_output_dir(out_dir) as scratch:
+    safetensors.numpy.save_file(
+      lora_lib.peft_tensors(adapters, cfg), os.path.join(scratch, "adapter_model.safetensors"), {"format": "pt"}
+    )
+    with open(os.path.join(scratch, "adapter_config.json"), "w") as f:
+      json.dump(lora_lib.peft_config(lora, record["base"]), f, indent=2, sort_keys=True)
+  return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,15 +788,39 @@ def main(argv: list[str] | None = None) -> int:
     help="Meta's original LLaMA 2 download to read: params.json, consolidated.NN.pth model-parallel shards (merged; "
     "needs torch), tokenizer.model (copied when present)",
   )
-  source.add_argument("--to_hf", metavar="CKPT_DIR", help="llama_jax checkpoint directory to export (latest step)")
+  source.add_argument(
+    "--to_hf",
+    metavar="CKPT_DIR",
+    help="llama_jax checkpoint directory to export (latest step); a LoRA workdir exports its merged weights, or with "
+    "--peft its adapter",
+  )
+  source.add_argument(
+    "--merge_lora",
+    metavar="LORA_DIR",
+    help="LoRA workdir → llama_jax checkpoint directory of the merged weights (base + scale·A·B)",
+  )
   parser.add_argument("--out", required=True, help="new output directory (must not exist or be empty)")
   parser.add_argument("--max_shard_gib", type=float, default=5.0, help="--to_hf: largest safetensors file")
-  parser.add_argument("--step", type=int, help="--to_hf: checkpoint step to export (default: the latest)")
+  parser.add_argument("--step", type=int, help="--to_hf, --merge_lora: checkpoint step to export (default: the latest)")
+  parser.add_argument(
+    "--peft",
+    action="store_true",
+    help="--to_hf of a LoRA workdir: write a peft adapter (adapter_config.json, adapter_model.safetensors) for the "
+    "HF export of its base instead of merged weights",
+  )
   args = parser.parse_args(argv)
+  if args.peft and not args.to_hf:
+    parser.error("--peft goes with --to_hf LORA_DIR")
   if args.from_hf:
     cfg = run_or_exit(from_hf, args.from_hf, args.out)
   elif args.from_meta:
     cfg = run_or_exit(from_meta, args.from_meta, args.out)
+  elif args.merge_lora:
+    cfg = run_or_exit(merge_lora, args.merge_lora, args.out, args.step)
+  elif args.peft:
+    cfg = run_or_exit(to_peft, args.to_hf, args.out, args.step)
+    print(f"wrote {args.out}: a peft LoRA adapter for the HF export of its base")
+    return 0
   else:
     cfg = run_or_exit(to_hf, args.to_hf, args.out, int(args.max_shard_gib * 2**30), args.step)
   print(f"wrote {args.out}: {cfg.num_params():,} parameters, {cfg.n_layers} layers, dim {cfg.dim}")

@@ -484,13 +484,16 @@ def eval_batches(
   if not n_batches:
     return
   template = dict(examples[0])
-  template.setdefault("weights", np.ones(template["targets"].shape, np.float32))
+  # Text windows carry no weights (every token counts); preference rows carry their own per side.
+  if "targets" in template:
+    template.setdefault("weights", np.ones(template["targets"].shape, np.float32))
   padding = {k: np.zeros_like(v) for k, v in template.items()}
   for b in range(n_batches):
     start = b * batch_size + process_index * local
     rows = [dict(examples[i]) for i in range(start, min(start + local, len(examples)))]
     for row in rows:
-      row.setdefault("weights", np.ones(row["targets"].shape, np.float32))
+      if "targets" in row:
+        row.setdefault("weights", np.ones(row["targets"].shape, np.float32))
     rows += [padding] * (local - len(rows))
     yield {k: np.stack([row[k] for row in rows]) for k in template}
 

@@ -2,6 +2,8 @@
 
 Every loss is a per-token cross-entropy in float32 with per-token weights (the SFT loss mask, or padding at 0), so a
 batch's loss is sum(loss · weight) / sum(weight) whatever packs it, and sums from several batches or micro-batches add.
+The DPO loss is built on the same cross-entropy (a response's log-prob is minus its weighted sum) and is likewise
+returned as a sum over pairs with the pair count, to be divided once per step.
 """
 
 from __future__ import annotations
@@ -33,13 +35,23 @@ def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array
 
 
 def eval_step(
-  params: Any, batch: dict[str, jax.Array], token_bytes: jax.Array, *, graphdef: nnx.GraphDef
+  params: Any,
+  batch: dict[str, jax.Array],
+  token_bytes: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  by_position: bool = False,
 ) -> dict[str, jax.Array]:
-  """Sums over a batch: loss (nats), tokens, and the UTF-8 bytes those tokens stand for (for bits per byte)."""
+  """Sums over a batch: loss (nats), tokens, and the UTF-8 bytes those tokens stand for (for bits per byte). With
+  `by_position`, also loss_by_position and tokens_by_position [T]: the same sums per position in the window (how the
+  loss depends on context length, e.g. evaluated past the training length)."""
   losses, weights = token_losses(params, graphdef, batch)
-  return dict(
+  sums = dict(
     loss_sum=jnp.sum(losses * weights), tokens=jnp.sum(weights), bytes=jnp.sum(token_bytes[batch["targets"]] * weights)
   )
+  if by_position:
+    sums.update(loss_by_position=jnp.sum(losses * weights, axis=0), tokens_by_position=jnp.sum(weights, axis=0))
+  return sums
 
 
 def perplexity(mean_loss: float) -> float:
@@ -52,3 +64,94 @@ def summarize_eval(sums: dict[str, float]) -> dict[str, float]:
   return dict(
     loss=loss, perplexity=perplexity(loss), bits_per_byte=sums["loss_sum"] / math.log(2) / max(sums["bytes"], 1.0)
   )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preference tuning (DPO, Rafailov et al. 2023)
+
+PREFERENCE_SIDES = ("chosen", "rejected")
+
+
+def sequence_logps(
+  params: Any, graphdef: nnx.GraphDef, inputs_BT: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array
+) -> jax.Array:
+  """Summed log-probability [B] (float32) of each row's weighted tokens: log π(response | prompt) when the weights
+  are 1 exactly on the response. The same cross-entropy as the SFT loss (token_losses), so both read one model."""
+  losses_BT, weights_BT = token_losses(params, graphdef, dict(inputs=inputs_BT, targets=targets_BT, weights=weights_BT))
+  return -jnp.sum(losses_BT * weights_BT, axis=-1)
+
+
+def _pair_logps(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """(chosen [B], rejected [B]) log-probs from ONE forward of the 2B rows: one compiled call, twice the batch.
+
+  The rows are interleaved (pair b's chosen at 2b, its rejected at 2b + 1) rather than concatenated: with the batch
+  axis sharded, each device's pairs then stay on that device, where a concatenation would move half the rows."""
+
+  def rows(key: str) -> jax.Array:
+    x_B2T = jnp.stack([batch[f"{side}_{key}"] for side in PREFERENCE_SIDES], axis=1)
+    return x_B2T.reshape(-1, x_B2T.shape[-1])
+
+  logps_2B = sequence_logps(params, graphdef, rows("inputs"), rows("targets"), rows("weights"))
+  logps_B2 = logps_2B.reshape(-1, 2)
+  return logps_B2[:, 0], logps_B2[:, 1]
+
+
+def dpo_losses(
+  params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array], *, beta: float, reference_params: Any
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """(loss sum, pair count, metric sums) of the DPO loss over a batch of preference pairs.
+
+  Per pair: -log σ(β((π_w − π_l) − (ref_w − ref_l))), π = the policy's (`params`) summed log-prob of the response,
+  ref = the reference's (`reference_params`: the same graphdef, e.g. the frozen initial parameters, or with LoRA the
+  base with zeroed adapters), which gets no gradient. Sums, not means, so micro-batches add up; the caller divides by
+  the pair count. Padding pairs (no weighted token on either side, as eval_batches pads) count nothing.
+
+  Metric sums: reward_chosen = β(π_w − ref_w), reward_rejected = β(π_l − ref_l), margin = their difference,
+  reward_accuracy = 1 when reward_chosen > reward_rejected, 0 when below, and 0.5 for a tie. At step 0 the policy is
+  the reference, every reward is exactly 0 and every pair ties: the loss reads log 2 ≈ 0.693 and accuracy 0.5 (not
+  0, which would read as "always wrong"). Also chosen_logps / rejected_logps (π_w, π_l): a DPO run that lowers both
+  is a known failure mode that the margin alone hides.
+  """
+  chosen_B, rejected_B = _pair_logps(params, graphdef, batch)
+  ref_chosen_B, ref_rejected_B = jax.lax.stop_gradient(
+    _pair_logps(jax.lax.stop_gradient(reference_params), graphdef, batch)
+  )
+  with jax.named_scope("dpo_loss"):
+    valid_B = (
+      (jnp.sum(batch["chosen_weights"], axis=-1) > 0) & (jnp.sum(batch["rejected_weights"], axis=-1) > 0)
+    ).astype(jnp.float32)
+    reward_chosen_B = beta * (chosen_B - ref_chosen_B)
+    reward_rejected_B = beta * (rejected_B - ref_rejected_B)
+    margin_B = reward_chosen_B - reward_rejected_B
+    # log_sigmoid is -softplus(-x): finite for any margin, where log(sigmoid(x)) underflows to -inf past x ≈ -88.
+    losses_B = -jax.nn.log_sigmoid(margin_B)
+    accuracy_B = jnp.where(margin_B > 0, 1.0, jnp.where(margin_B == 0, 0.5, 0.0))
+
+    def total(x_B):
+      return jnp.sum(x_B * valid_B)
+
+  metrics = dict(
+    reward_chosen=total(reward_chosen_B),
+    reward_rejected=total(reward_rejected_B),
+    reward_accuracy=total(accuracy_B),
+    margin=total(margin_B),
+    chosen_logps=total(chosen_B),
+    rejected_logps=total(rejected_B),
+  )
+  return total(losses_B), jnp.sum(valid_B), metrics
+
+
+def dpo_eval_step(
+  params: Any, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef, beta: float, reference_params: Any
+) -> dict[str, jax.Array]:
+  """Sums over a batch of held-out pairs: loss_sum, pairs and the metric sums of `dpo_losses` (they add over
+  batches; `summarize_dpo` turns the totals into means)."""
+  loss_sum, pairs, metrics = dpo_losses(params, graphdef, batch, beta=beta, reference_params=reference_params)
+  return dict(loss_sum=loss_sum, pairs=pairs, **metrics)
+
+
+def summarize_dpo(sums: dict[str, float]) -> dict[str, float]:
+  """Means per pair of summed `dpo_eval_step` outputs: loss, rewards, reward accuracy, margin, log-probs."""
+  pairs = max(sums["pairs"], 1.0)
+  means = {k: v / pairs for k, v in sums.items() if k not in ("loss_sum", "pairs")}
+  return dict(loss=sums["loss_sum"] / pairs, **means)

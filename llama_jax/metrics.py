@@ -119,15 +119,20 @@ class MetricsWriter:
     finite_losses = [m["loss"] for m in fetched if not m.get("nonfinite", 0)]
     loss = float(np.mean(finite_losses)) if finite_losses else float("nan")
     skipped = sum(int(m.get("nonfinite", 0)) for m in fetched)
+    # An objective's own means (DPO: rewards, reward accuracy, margin, log-probs), averaged like the loss.
+    extra = sorted(set(fetched[-1]) - {"loss", "grad_norm", "lr", "tokens", "pairs", "nonfinite"})
+    finite = [m for m in fetched if not m.get("nonfinite", 0)]
     self.last_train = dict(
       loss=loss,
+      **{k: float(np.mean([m[k] for m in finite])) if finite else float("nan") for k in extra},
       grad_norm=float(fetched[-1]["grad_norm"]),
       lr=float(fetched[-1]["lr"]),
       tokens_per_s=self._tokens_per_step * steps / elapsed,
       step_time_s=elapsed / steps,
       mfu=self._flops_per_step * steps / elapsed / self._peak_flops,
-      perplexity=perplexity(loss),
     )
+    if "pairs" not in fetched[-1]:  # exp of a DPO loss is no perplexity
+      self.last_train["perplexity"] = perplexity(loss)
     if skipped:  # steps of this window that were not applied (non-finite loss or gradients)
       self.last_train["skipped_steps"] = skipped
     self.write(until, self.last_train)

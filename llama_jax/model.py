@@ -4,7 +4,7 @@ Axis legend used in every einsum and array name of the package:
   B batch, T query length, S key/value length, N query heads, K kv heads, G = N / K query heads per kv head,
   H head dim, D model dim, F mlp hidden, V vocab, L layers,
   P padded prompt length (a decoding bucket), C query chunk (chunked attention), Q = G·T query rows per kv head
-  (cached attention), X any head axis (N or K: RoPE rotates queries and keys alike).
+  (cached attention), X any head axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py).
 
 Parameters carry logical axis names (see ``config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
 config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
@@ -28,8 +28,9 @@ import numpy as np
 from flax import nnx
 
 from llama_jax import attention as attention_lib
+from llama_jax import lora as lora_lib
 from llama_jax import quantize, sharding
-from llama_jax.config import ModelConfig
+from llama_jax.config import LoraConfig, ModelConfig
 
 Array = jax.Array
 
@@ -54,13 +55,36 @@ def _weight(rngs: nnx.Rngs, name: str, shape, logical_axes, cfg: ModelConfig) ->
   return q, scale
 
 
+def _add_projections(module: nnx.Module, layouts: dict, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoraConfig | None):
+  """Sets each projection `name: (shape, logical axes)` of `layouts` on `module` as `name` (and `name_scale` for an
+  int8 model), with its LoRA adapters `name_lora_a` / `name_lora_b` when `lora` targets it."""
+  for name, (shape, axes) in layouts.items():
+    weight, weight_scale = _weight(rngs, name, shape, axes, cfg)
+    setattr(module, name, weight)
+    setattr(module, name + "_scale", weight_scale)
+    adapter_a, adapter_b = lora_lib.adapter_pair(rngs, name, shape, axes, lora)
+    if adapter_a is not None:
+      setattr(module, name + lora_lib.A_SUFFIX, adapter_a)
+      setattr(module, name + lora_lib.B_SUFFIX, adapter_b)
+  module.lora_scale = lora.scale if lora is not None and lora.rank else 0.0
+
+
 def _value(param: nnx.Param | None) -> Array | None:
   return None if param is None else param[...]
 
 
-def project(x: Array, w: Array, scale: Array | None = None, *, preferred_element_type=None) -> Array:
+def project(
+  x: Array,
+  w: Array,
+  scale: Array | None = None,
+  *,
+  preferred_element_type=None,
+  lora: tuple[Array, Array, float] | None = None,
+) -> Array:
   """x[..., I] · w[I, O...] as one 2-D matrix product in x's dtype, for every projection of the model; with an int8
-  model's `scale` [O...], the int8 weight is widened inside the product and the output scaled per channel.
+  model's `scale` [O...], the int8 weight is widened inside the product and the output scaled per channel. With
+  `lora` = (A [I..., R], B [R, O...], s) (lora.py), adds s·(x·A)·B: two thin products through the rank R, so
+  neither the forward nor the gradients ever form an [I, O] matrix for the adapter.
 
   Same numbers as the einsum it replaces (written next to each call), but XLA's CPU backend runs a 2-D dot and its
   weight gradient far faster than the same contraction written over [B, T]: an MLP's forward + backward at B=8,
@@ -73,7 +97,14 @@ def project(x: Array, w: Array, scale: Array | None = None, *, preferred_element
   w_IO = w.reshape(w.shape[0], -1).astype(x.dtype)
   y = jnp.dot(x.reshape(-1, x.shape[-1]), w_IO, preferred_element_type=preferred_element_type)
   y = y.reshape(*lead_shape, *out_shape)
-  return y if scale is None else y * scale.astype(y.dtype)
+  y = y if scale is None else y * scale.astype(y.dtype)
+  if lora is not None:  # after the int8 scale: the adapter's product is float already
+    a, b, lora_scale = lora
+    rank = a.shape[-1]
+    low_rank = jnp.dot(x.reshape(-1, x.shape[-1]), a.reshape(-1, rank).astype(x.dtype))  # [B·T, R]
+    update = lora_scale * jnp.dot(low_rank, b.reshape(rank, -1).astype(x.dtype))
+    y = y + update.reshape(*lead_shape, *out_shape).astype(y.dtype)
+  return y
 
 
 class RMSNorm(nnx.Module):
@@ -88,6 +119,27 @@ class RMSNorm(nnx.Module):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+  """(x − mean(x)) / std(x) · scale, statistics in float32 as RMSNorm's; scale only, no bias (``model.norm =
+  "layernorm"``: the original Transformer's norm, for comparing norms on the LLaMA blocks)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = _param(rngs, (cfg.dim,), ("norm",), cfg, init=jax.nn.initializers.ones)
+
+  @jax.named_scope("norm")
+  def __call__(self, x: Array) -> Array:
+    x32 = x.astype(jnp.float32)
+    centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+    return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm | LayerNorm | None:
+  """The norm `cfg.norm` names; None for "none", so such a model holds no norm parameters at all."""
+  return {"rmsnorm": RMSNorm, "layernorm": LayerNorm}[cfg.norm](cfg, rngs=rngs) if cfg.norm != "none" else None
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -132,19 +184,22 @@ class RotaryEmbedding(nnx.Module):
 class Attention(nnx.Module):
   """Grouped-query self-attention: N query heads share K kv heads (G = N / K); kv heads are never repeated."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
     self.cfg = cfg
     d, n, k, h = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    self.wq, self.wq_scale = _weight(rngs, "wq", (d, n, h), ("embed", "heads", "head_dim"), cfg)
-    self.wk, self.wk_scale = _weight(rngs, "wk", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
-    self.wv, self.wv_scale = _weight(rngs, "wv", (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
-    self.wo, self.wo_scale = _weight(rngs, "wo", (n, h, d), ("heads", "head_dim", "embed"), cfg)
+    layouts = {
+      "wq": ((d, n, h), ("embed", "heads", "head_dim")),
+      "wk": ((d, k, h), ("embed", "kv_heads", "head_dim")),
+      "wv": ((d, k, h), ("embed", "kv_heads", "head_dim")),
+      "wo": ((n, h, d), ("heads", "head_dim", "embed")),
+    }
+    _add_projections(self, layouts, cfg, rngs, lora)
     self.rope = RotaryEmbedding(cfg)
 
   def _rotated_qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
-    q_BTNH = project(x_BTD, self.wq[...], _value(self.wq_scale))  # BTD,DNH->BTNH
-    k_BTKH = project(x_BTD, self.wk[...], _value(self.wk_scale))  # BTD,DKH->BTKH
-    v_BTKH = project(x_BTD, self.wv[...], _value(self.wv_scale))  # BTD,DKH->BTKH
+    q_BTNH = project(x_BTD, self.wq[...], _value(self.wq_scale), lora=lora_lib.factors(self, "wq"))  # BTD,DNH->BTNH
+    k_BTKH = project(x_BTD, self.wk[...], _value(self.wk_scale), lora=lora_lib.factors(self, "wk"))  # BTD,DKH->BTKH
+    v_BTKH = project(x_BTD, self.wv[...], _value(self.wv_scale), lora=lora_lib.factors(self, "wv"))  # BTD,DKH->BTKH
     q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
     k_BTKH = sharding.constrain(k_BTKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
     return self.rope(q_BTNH, positions_BT), self.rope(k_BTKH, positions_BT), v_BTKH
@@ -152,7 +207,9 @@ class Attention(nnx.Module):
   def _output(self, out_BTNH: Array) -> Array:
     b, t, n, h = out_BTNH.shape
     wo_ID = self.wo[...].reshape(n * h, -1)
-    return project(out_BTNH.reshape(b, t, n * h), wo_ID, _value(self.wo_scale))  # BTNH,NHD->BTD
+    return project(
+      out_BTNH.reshape(b, t, n * h), wo_ID, _value(self.wo_scale), lora=lora_lib.factors(self, "wo")
+    )  # BTNH,NHD->BTD
 
   @jax.named_scope("attention")
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
@@ -199,41 +256,57 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) · up(x)); the width F follows LLaMA's rule (``ModelConfig.hidden_dim``)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
     d, f = cfg.dim, cfg.hidden_dim
-    self.w_gate, self.w_gate_scale = _weight(rngs, "w_gate", (d, f), ("embed", "mlp"), cfg)
-    self.w_up, self.w_up_scale = _weight(rngs, "w_up", (d, f), ("embed", "mlp"), cfg)
-    self.w_down, self.w_down_scale = _weight(rngs, "w_down", (f, d), ("mlp", "embed"), cfg)
+    layouts = {
+      "w_gate": ((d, f), ("embed", "mlp")),
+      "w_up": ((d, f), ("embed", "mlp")),
+      "w_down": ((f, d), ("mlp", "embed")),
+    }
+    _add_projections(self, layouts, cfg, rngs, lora)
 
   @jax.named_scope("mlp")
   def __call__(self, x_BTD: Array) -> Array:
-    gate_BTF = project(x_BTD, self.w_gate[...], _value(self.w_gate_scale))  # BTD,DF->BTF
-    up_BTF = project(x_BTD, self.w_up[...], _value(self.w_up_scale))  # BTD,DF->BTF
+    gate_BTF = project(x_BTD, self.w_gate[...], _value(self.w_gate_scale), lora=lora_lib.factors(self, "w_gate"))
+    up_BTF = project(x_BTD, self.w_up[...], _value(self.w_up_scale), lora=lora_lib.factors(self, "w_up"))
     hidden_BTF = sharding.constrain(
       jax.nn.silu(gate_BTF) * up_BTF, ("activation_batch", "activation_length", "activation_mlp")
-    )
-    return project(hidden_BTF, self.w_down[...], _value(self.w_down_scale))  # BTF,FD->BTD
+    )  # gate, up: BTD,DF->BTF
+    return project(
+      hidden_BTF, self.w_down[...], _value(self.w_down_scale), lora=lora_lib.factors(self, "w_down")
+    )  # BTF,FD->BTD
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(·))."""
+  """Residual block. Pre-norm (LLaMA, `cfg.norm_position == "pre"`): h = x + attention(norm(x)), out = h + mlp(norm(h)).
+  Post-norm (the original Transformer): h = norm(x + attention(x)), out = norm(h + mlp(h)). `attention_norm` and
+  `mlp_norm` keep their names in both (the norm around each sub-layer); with `cfg.norm == "none"` there are none."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.attention_norm = RMSNorm(cfg, rngs=rngs)
-    self.attention = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    self.pre_norm = cfg.norm_position == "pre"
+    self.attention_norm = make_norm(cfg, rngs)
+    self.attention = Attention(cfg, rngs=rngs, lora=lora)
+    self.mlp_norm = make_norm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
-    h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), positions_BT, segment_ids_BT)
-    return self._mlp_residual(h_BTD)
+    attended_BTD = self.attention(self.norm_in(self.attention_norm, x_BTD), positions_BT, segment_ids_BT)
+    return self._mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD))
 
   def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
-    attended_BTD, new_kv = self.attention.decode(self.attention_norm(x_BTD), positions_BT, cache)
-    return self._mlp_residual(x_BTD + attended_BTD), new_kv
+    attended_BTD, new_kv = self.attention.decode(self.norm_in(self.attention_norm, x_BTD), positions_BT, cache)
+    return self._mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD)), new_kv
+
+  def norm_in(self, norm: RMSNorm | LayerNorm | None, x_BTD: Array) -> Array:
+    """What a sub-layer reads: norm(x) in a pre-norm block, x itself in a post-norm one (or with no norm)."""
+    return norm(x_BTD) if norm is not None and self.pre_norm else x_BTD
+
+  def norm_out(self, norm: RMSNorm | LayerNorm | None, h_BTD: Array) -> Array:
+    """The residual sum passed on: norm(h) in a post-norm block, h itself in a pre-norm one."""
+    return norm(h_BTD) if norm is not None and not self.pre_norm else h_BTD
 
   def _mlp_residual(self, h_BTD: Array) -> Array:
-    out_BTD = h_BTD + self.mlp(self.mlp_norm(h_BTD))
+    out_BTD = self.norm_out(self.mlp_norm, h_BTD + self.mlp(self.norm_in(self.mlp_norm, h_BTD)))
     return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
 
@@ -291,7 +364,7 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-  """Token embedding → L blocks → final RMSNorm → LM head (tied or not).
+  """Token embedding → L blocks → final norm (pre-norm models; `cfg.norm`, RMSNorm for LLaMA) → LM head (tied or not).
 
   `__call__(tokens, positions, segment_ids) -> logits` is the full forward (training, evaluation);
   `decode(tokens, positions, cache) -> (logits, cache)` runs new tokens against a KV cache (prefill and each step).
@@ -303,9 +376,12 @@ class Llama(nnx.Module):
   step on XLA:CPU (batch-1 decode step 13 → 5 ms). Each layout decodes with its own cache: per-layer buffers for
   the decoding layout (what ``sample.Sampler`` runs), one stacked [L, B, K, S, H] cache in the scan carry for the
   stacked layout (tests, and models too deep to unroll).
+
+  With `lora` (a ``LoraConfig`` of rank > 0), the targeted projections also hold low-rank adapters (lora.py), for
+  LoRA training; everything that only runs a model loads the adapters merged into the weights instead.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True, lora: LoraConfig | None = None):
     self.cfg = cfg
     self.embed, self.embed_scale = _weight(rngs, "embed", (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
 
@@ -313,13 +389,14 @@ class Llama(nnx.Module):
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make_layers(rngs: nnx.Rngs) -> Block:
-      return Block(cfg, rngs=rngs)
+      return Block(cfg, rngs=rngs, lora=lora)
 
     if stacked_layers:
       self.layers = make_layers(rngs)
     else:
-      self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = RMSNorm(cfg, rngs=rngs)
+      self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.n_layers)])
+    # Post-norm blocks hand on a normalised stream already: a final norm would only apply a second scale to it.
+    self.final_norm = make_norm(cfg, rngs) if cfg.norm_position == "pre" else None
     self.lm_head, self.lm_head_scale = (
       (None, None)
       if cfg.tie_embeddings
@@ -416,7 +493,7 @@ class Llama(nnx.Module):
     return sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
   def _logits(self, x_BTD: Array) -> Array:
-    x_BTD = self.final_norm(x_BTD)
+    x_BTD = x_BTD if self.final_norm is None else self.final_norm(x_BTD)
     if self.lm_head is None:
       head_DV, head_scale_V = self.embed[...].T, _value(self.embed_scale)
     else:

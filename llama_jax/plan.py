@@ -47,12 +47,14 @@ TOPOLOGIES = {
   "v4-32": ("v4:2x2x4", "megacore", (2, 2, 1)),
   "v4-64": ("v4:2x4x4", "megacore", (2, 2, 1)),
   "v4-128": ("v4:4x4x4", "megacore", (2, 2, 1)),
+  "v5e-1": ("v5e:1x1", "default", (1, 1, 1)),
   "v5e-8": ("v5e:2x4", "default", (2, 4, 1)),
   "v5e-16": ("v5e:4x4", "default", (2, 2, 1)),
   "v5e-256": ("v5e:16x16", "default", (2, 2, 1)),
   "v5p-8": ("v5p:2x2x1", "megacore", (2, 2, 1)),
   "v5p-128": ("v5p:4x4x4", "megacore", (2, 2, 1)),
   "v5p-256": ("v5p:4x4x8", "megacore", (2, 2, 1)),
+  "v6e-1": ("v6e:1x1", "default", (1, 1, 1)),
   "v6e-8": ("v6e:2x4", "default", (2, 4, 1)),
   "v6e-256": ("v6e:16x16", "default", (2, 2, 1)),
 }
@@ -104,7 +106,9 @@ class Plan:
   compiler: str  # "XLA:CPU estimate" or "TPU compiler"
   n_params: int
   attention: str
-  params_bytes: int  # from the shardings: every parameter's shard, summed
+  params_bytes: int  # from the shardings: every trained parameter's shard, summed (LoRA: the adapters)
+  frozen_bytes: int  # LoRA: the frozen base model's shards (0 otherwise)
+  trainable_params: int
   opt_state_bytes: int
   batch_bytes: int
   argument_bytes: int  # from XLA's memory analysis of the compiled step (state + batch, donated)
@@ -157,7 +161,17 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
   state, batch = trainer.abstract_state(), trainer.abstract_batch()
   lowered = trainer.lower(state, batch)
   compile_start = time.perf_counter()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    # The TPU compiler refuses a program that cannot fit its HBM: that is the plan's answer, in one line.
+    reason = str(e).strip().splitlines()[0].split("RESOURCE_EXHAUSTED: ", 1)[-1]
+    raise PlanError(
+      f"does not fit: {reason} (batch {train_cfg.batch_size} × {train_cfg.seq_len} on mesh {dict(mesh.shape)}); "
+      f"lower the batch or seq_len, raise remat, or use more devices"
+    ) from None
   compile_seconds = time.perf_counter() - compile_start
   memory = compiled.memory_analysis()
   hlo_text = compiled.as_text()
@@ -183,6 +197,8 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
     n_params=model_cfg.num_params(),
     attention=attention,
     params_bytes=device_bytes(state["params"]),
+    frozen_bytes=device_bytes(trainer.abstract_frozen) if trainer.abstract_frozen is not None else 0,
+    trainable_params=sum(math.prod(a.shape) for a in jax.tree.leaves(state["params"])),
     opt_state_bytes=device_bytes(state["opt_state"]),
     batch_bytes=device_bytes(batch),
     argument_bytes=memory.argument_size_in_bytes,
@@ -211,10 +227,19 @@ def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
   lines = [
     f"model     {p.n_params:,} parameters ({model.param_dtype} storage, {model.dtype} compute), remat "
     f"{model.remat}, attention {p.attention}",
+    *(
+      [
+        f"LoRA      rank {train_cfg.lora.rank}, alpha {train_cfg.lora.alpha:g} on {','.join(train_cfg.lora.targets)}: "
+        f"{p.trainable_params:,} trainable (float32), the base frozen"
+      ]
+      if train_cfg.lora.rank
+      else []
+    ),
     f"mesh      {mesh} = {p.devices} devices ({p.device_kind}); memory and collectives from the {p.compiler}",
     f"batch     {train_cfg.batch_size} × {train_cfg.seq_len} tokens, grad_accum {train_cfg.grad_accum}",
     f"per device ({unit}):",
-    f"  parameters        {p.params_bytes / scale:9.3f}",
+    f"  parameters        {p.params_bytes / scale:9.3f}" + ("   (trained: the adapters)" if p.frozen_bytes else ""),
+    *([f"  frozen base       {p.frozen_bytes / scale:9.3f}"] if p.frozen_bytes else []),
     f"  optimizer state   {p.opt_state_bytes / scale:9.3f}",
     f"  batch             {p.batch_bytes / scale:9.3f}",
     f"  arguments         {p.argument_bytes / scale:9.3f}   (compiled: state + batch)",

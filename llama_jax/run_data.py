@@ -1,5 +1,6 @@
 """The data of one training run: its tokenizer, its prepared splits, and the batches the loop reads, for pretraining
-text (``data.format="text"``) or conversations (``"chat"``), from the checked ``RunConfig``."""
+text (``data.format="text"``), conversations (``"chat"``) or preference pairs (``"preference"``), from the checked
+``RunConfig``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from llama_jax import chat_data, distributed
+from llama_jax import chat_data, distributed, preference_data
 from llama_jax import checkpoint as checkpoint_lib
 from llama_jax import data as data_lib
 from llama_jax.config import RunConfig
@@ -58,6 +59,8 @@ def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, Ru
   with distributed.main_process_first("data prepared by process 0"):
     if run_config.data.format == "chat":
       return _prepare_chat(run_config, workdir)
+    if run_config.data.format == "preference":
+      return _prepare_preference(run_config, workdir)
     return _prepare_text(run_config, workdir)
 
 
@@ -121,3 +124,35 @@ def _prepare_chat(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunDa
     f"{sum(s['too_long'] for s in splits):,} too long"
   )
   return tokenizer, RunData(dataset, chat_data.PackedRows(prepared_dir, "val"), summary)
+
+
+def _prepare_preference(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunData]:
+  data_cfg, train_cfg = run_config.data, run_config.train
+  prepared_dir = data_cfg.prepared_dir or checkpoint_lib.local_dir(workdir, "data")
+
+  def texts():
+    for pair in preference_data.load_pairs(data_cfg.sources, "skip")[0]:
+      yield from (m["content"] for m in pair.messages)
+      yield from (pair.chosen, pair.rejected)
+
+  tokenizer = load_tokenizer_for_run(run_config, workdir, texts)
+  meta = preference_data.prepare_preference(
+    data_cfg.sources,
+    tokenizer,
+    prepared_dir,
+    seq_len=train_cfg.seq_len,
+    val_fraction=data_cfg.val_fraction,
+    seed=run_config.seed,
+    on_error=data_cfg.on_error,
+    verify=data_cfg.verify,
+  )
+  dataset = preference_data.preference_train_dataset(
+    prepared_dir, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()
+  )
+  summary = (
+    f"preference pairs: train {meta['train']['pairs']:,}, val {meta['val']['pairs']:,} (one pair per row, "
+    f"{meta['train']['fill']:.0%} of positions used); skipped {meta['skipped']:,} bad ({meta['too_long']:,} too long "
+    f"for train.seq_len), {meta['train']['dropped_exchanges'] + meta['val']['dropped_exchanges']:,} old exchanges "
+    f"dropped to fit"
+  )
+  return tokenizer, RunData(dataset, preference_data.PreferenceRows(prepared_dir, "val"), summary)

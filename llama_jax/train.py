@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ from llama_jax import checkpoint as checkpoint_lib
 from llama_jax import cli, distributed, sharding, workdir_lock
 from llama_jax import config as config_lib
 from llama_jax import data as data_lib
+from llama_jax import lora as lora_lib
 from llama_jax.chat_data import SFT_KEYS
 from llama_jax.config import ModelConfig, RunConfig
 from llama_jax.errors import run_or_exit
@@ -45,10 +46,11 @@ from llama_jax.loop import (
   RecordBatchesHook,
   TrainLoop,
 )
-from llama_jax.loss import eval_step, summarize_eval, token_losses
+from llama_jax.loss import dpo_eval_step, dpo_losses, eval_step, summarize_dpo, summarize_eval, token_losses
 from llama_jax.metrics import MetricsWriter
 from llama_jax.model import Llama
 from llama_jax.optimizer import learning_rate_schedule, make_optimizer
+from llama_jax.preference_data import PREFERENCE_KEYS
 from llama_jax.run_data import prepare_run_data
 
 State = dict[str, Any]  # {"step": int32[], "params": pure dict, "opt_state": optax state, "rng": uint32[2]}
@@ -57,40 +59,36 @@ State = dict[str, Any]  # {"step": int32[], "params": pure dict, "opt_state": op
 def train_step(
   state: State,
   batch: dict[str, jax.Array],
+  frozen: dict[str, Any] | None = None,
   *,
-  graphdef: nnx.GraphDef,
+  objective: Callable,
+  count_name: str,
   tx: optax.GradientTransformation,
   schedule: optax.Schedule,
   grad_accum: int,
 ) -> tuple[State, dict]:
   """One optimizer step on a global batch, split into `grad_accum` micro-batches scanned in order.
 
-  Gradients are of the *summed* token loss and divided by the total weight at the end, so accumulation gives the
-  gradient of the whole batch's mean loss, whatever the split.
+  `objective(params, micro, frozen) -> (loss sum, (count, metric sums))` (see `make_objective`): gradients are of
+  the *summed* loss and divided by the total count (weighted tokens, or preference pairs) at the end, so
+  accumulation gives the gradient of the whole batch's mean loss, whatever the split. `frozen` holds what the step
+  reads but never trains or donates: a LoRA run's base model, a DPO run's reference.
   """
   params = state["params"]
-
-  def summed_loss(params, micro):
-    losses, weights = token_losses(params, graphdef, micro)
-    return jnp.sum(losses * weights), jnp.sum(weights)
-
-  grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+  grad_fn = jax.value_and_grad(lambda params, micro: objective(params, micro, frozen), has_aux=True)
   if grad_accum == 1:
-    (loss_sum, weight_sum), grads = grad_fn(params, batch)
+    (loss_sum, (count, sums)), grads = grad_fn(params, batch)
   else:
     micro_batches = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
     def accumulate(carry, micro):
-      (loss_sum, weight_sum), grads = grad_fn(params, micro)
-      return jax.tree.map(jnp.add, carry, (loss_sum, weight_sum, grads)), None
+      (loss_sum, (count, sums)), grads = grad_fn(params, micro)
+      return jax.tree.map(jnp.add, carry, (loss_sum, count, sums, grads)), None
 
-    zeros = (
-      jnp.zeros((), jnp.float32),
-      jnp.zeros((), jnp.float32),
-      jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-    )
-    (loss_sum, weight_sum, grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
-  denominator = jnp.maximum(weight_sum, 1.0)
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro_batches))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (shapes[0][0], *shapes[0][1], shapes[1]))
+    (loss_sum, count, sums, grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
+  denominator = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, params)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -102,12 +100,34 @@ def train_step(
   new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state)
   metrics = dict(
     loss=loss_sum / denominator,
+    **{name: total / denominator for name, total in sums.items()},
     grad_norm=grad_norm,
     lr=schedule(state["step"]),
-    tokens=weight_sum,
+    **{count_name: count},
     nonfinite=(~finite).astype(jnp.int32),
   )
   return new_state, metrics
+
+
+def make_objective(graphdef: nnx.GraphDef, dpo_beta: float | None) -> Callable:
+  """The loss a run trains: next-token cross-entropy (pretraining, SFT), or with `dpo_beta` the DPO loss of
+  preference pairs. With LoRA (`frozen["base"]`) the policy is the base plus the trained adapters and DPO's reference
+  is the base alone (the adapters at zero: no second copy of the model); otherwise the reference is
+  `frozen["reference"]`, the initial parameters."""
+
+  def objective(params, micro, frozen):
+    base = (frozen or {}).get("base")
+    policy = lora_lib.with_frozen(params, base)
+    if dpo_beta is None:
+      losses, weights = token_losses(policy, graphdef, micro)
+      return jnp.sum(losses * weights), (jnp.sum(weights), {})
+    reference = (
+      frozen["reference"] if base is None else lora_lib.with_frozen(jax.tree.map(jnp.zeros_like, params), base)
+    )
+    loss_sum, pairs, sums = dpo_losses(policy, graphdef, micro, beta=dpo_beta, reference_params=reference)
+    return loss_sum, (pairs, sums)
+
+  return objective
 
 
 class Trainer:
@@ -124,7 +144,20 @@ class Trainer:
     train_cfg = run_config.train
     self.tx = make_optimizer(train_cfg)
     self.schedule = learning_rate_schedule(train_cfg)
-    self.graphdef, abstract_params = sharding.abstract_params(Llama, model_cfg, mesh, self.rules, run_config.seed)
+    # LoRA: the model holds adapters too; the state's params are only those, the rest is the frozen base.
+    self.lora = train_cfg.lora if train_cfg.lora.rank else None
+    self.model_cls = functools.partial(Llama, lora=self.lora)
+    self.graphdef, abstract_params = sharding.abstract_params(
+      self.model_cls, model_cfg, mesh, self.rules, run_config.seed
+    )
+    # What the step reads but never trains: a LoRA run's base, a full DPO run's reference (the initial parameters).
+    self.dpo_beta = train_cfg.dpo_beta if run_config.data.format == "preference" else None
+    self.abstract_frozen: dict[str, Any] = {}
+    if self.lora is not None:
+      self.abstract_frozen["base"], abstract_params = lora_lib.split(abstract_params)
+    elif self.dpo_beta is not None:
+      self.abstract_frozen["reference"] = abstract_params
+    self.frozen: dict[str, Any] | None = None  # their arrays, once `load_frozen` has read them
     param_shardings = sharding.shardings_of(abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     # Optimizer moments are sharded like their parameters (XLA would replicate the zeros tx.init creates); counts
@@ -150,17 +183,35 @@ class Trainer:
         f"{train_cfg.grad_accum}) is not divisible by the {batch_shards} batch shards (mesh "
         f"{'×'.join(f'{a}={mesh.shape[a]}' for a in batch_axes)}); change the batch or the mesh"
       )
+    frozen_shardings = sharding.shardings_of(self.abstract_frozen)
     self._train_step = jax.jit(
       functools.partial(
-        train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule, grad_accum=train_cfg.grad_accum
+        train_step,
+        objective=make_objective(self.graphdef, self.dpo_beta),
+        count_name="tokens" if self.dpo_beta is None else "pairs",
+        tx=self.tx,
+        schedule=self.schedule,
+        grad_accum=train_cfg.grad_accum,
       ),
-      in_shardings=(self.state_shardings, self.batch_sharding),
+      in_shardings=(self.state_shardings, self.batch_sharding, frozen_shardings),
       out_shardings=(self.state_shardings, replicated),
       donate_argnums=0,
     )
+    graphdef, beta = self.graphdef, self.dpo_beta
+
+    def eval_with_frozen(params, batch, token_bytes, frozen):
+      base = frozen.get("base")
+      policy = lora_lib.with_frozen(params, base)
+      if beta is None:
+        return eval_step(policy, batch, token_bytes, graphdef=graphdef)
+      reference = (
+        frozen["reference"] if base is None else lora_lib.with_frozen(jax.tree.map(jnp.zeros_like, params), base)
+      )
+      return dpo_eval_step(policy, batch, graphdef=graphdef, beta=beta, reference_params=reference)
+
     self._eval_step = jax.jit(
-      functools.partial(eval_step, graphdef=self.graphdef),
-      in_shardings=(param_shardings, self.batch_sharding, replicated),
+      eval_with_frozen,
+      in_shardings=(param_shardings, self.batch_sharding, replicated, frozen_shardings),
       out_shardings=replicated,
     )
 
@@ -169,13 +220,14 @@ class Trainer:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """A global batch of this run as shapes: inputs and targets, plus weights, segment ids and positions for chat."""
-    train_cfg = self.run_config.train
-    keys = SFT_KEYS if self.run_config.data.format == "chat" else ("inputs", "targets")
+    """A global batch of this run as shapes: inputs and targets, plus weights, segment ids and positions for chat;
+    chosen and rejected inputs, targets and weights for preference pairs."""
+    train_cfg, data_format = self.run_config.train, self.run_config.data.format
+    keys = {"chat": SFT_KEYS, "preference": PREFERENCE_KEYS}.get(data_format, ("inputs", "targets"))
     return {
       k: jax.ShapeDtypeStruct(
         (train_cfg.batch_size, train_cfg.seq_len),
-        np.float32 if k == "weights" else np.int32,
+        np.float32 if k.endswith("weights") else np.int32,
         sharding=self.batch_sharding,
       )
       for k in keys
@@ -187,10 +239,12 @@ class Trainer:
     state = self.abstract_state() if state is None else state
     batch = self.abstract_batch() if batch is None else batch
     with sharding.activate(self.mesh, self.rules):
-      return self._train_step.lower(state, batch)
+      return self._train_step.lower(state, batch, self.abstract_frozen)
 
   def _init_state(self) -> State:
-    params = nnx.to_pure_dict(nnx.state(Llama(self.model_cfg, rngs=nnx.Rngs(self.run_config.seed))))
+    params = nnx.to_pure_dict(nnx.state(self.model_cls(self.model_cfg, rngs=nnx.Rngs(self.run_config.seed))))
+    if self.lora is not None:
+      params = lora_lib.split(params)[1]  # only the adapters: XLA drops the base's unused initialisation
     return dict(
       step=jnp.zeros((), jnp.int32),
       params=params,
@@ -208,19 +262,41 @@ class Trainer:
       k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v)) for k, v in local_batch.items()
     }
 
+  def load_frozen(self, init_from: str, step: int | None = None) -> int | None:
+    """Reads what the step keeps frozen from `init_from` (its latest step unless `step`), into its shards and
+    storage dtype: a LoRA run's base, a full DPO run's reference. Returns the step read (None: nothing to read)."""
+    if not self.abstract_frozen:
+      self.frozen = {}
+      return None
+    ((name, abstract),) = self.abstract_frozen.items()
+    step = checkpoint_lib.resolve_step(init_from, step)
+    params = checkpoint_lib.load_params(
+      init_from, step, shardings=sharding.shardings_of(abstract), dtype=self.model_cfg.param_dtype
+    )[1]
+    self.frozen = {name: params}
+    return step
+
+  def _frozen(self) -> dict[str, Any]:
+    if self.frozen is None:
+      if self.abstract_frozen:
+        raise RuntimeError(f"this trainer reads a frozen {'/'.join(self.abstract_frozen)}: call load_frozen first")
+      self.frozen = {}
+    return self.frozen
+
   def train_step(self, state: State, batch: dict[str, jax.Array]) -> tuple[State, dict]:
     with sharding.activate(self.mesh, self.rules):
-      return self._train_step(state, batch)
+      return self._train_step(state, batch, self._frozen())
 
   def evaluate(self, params: Any, batches, token_bytes: jax.Array) -> dict[str, float]:
     totals = None
     with sharding.activate(self.mesh, self.rules):
       for batch in batches:
-        sums = self._eval_step(params, self.global_batch(batch), token_bytes)
+        sums = self._eval_step(params, self.global_batch(batch), token_bytes, self._frozen())
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     if totals is None:
       return {}
-    return summarize_eval({k: float(v) for k, v in jax.device_get(totals).items()})
+    summarize = summarize_eval if self.dpo_beta is None else summarize_dpo
+    return summarize({k: float(v) for k, v in jax.device_get(totals).items()})
 
 
 def _restore_or_init(
@@ -234,11 +310,51 @@ def _restore_or_init(
     data_iter.set_state(data_state)
     return state, start
   state = trainer.init_state()
-  if run_config.init_from:
+  if run_config.init_from and trainer.lora is None:  # LoRA: init_from is the frozen base, the adapters start fresh
     state["params"] = checkpoint_lib.load_init_params(
       run_config.init_from, run_config.model, trainer.state_shardings["params"]
     )
   return state, 0
+
+
+def _load_frozen(
+  trainer: Trainer, checkpointer: checkpoint_lib.TrainCheckpointer, run_config: RunConfig, workdir: str, is_main: bool
+) -> None:
+  """Reads what a LoRA or DPO run keeps frozen from init_from: on a new run its latest step, recorded in lora.json
+  (reference.json for full DPO); on a resume the recorded step, refused if its files or the adapter settings changed
+  (the adapters fit that base only, and a DPO loss means nothing against another reference)."""
+  init_from, lora_cfg = run_config.init_from, trainer.lora
+  name = lora_lib.LORA_FILE if lora_cfg is not None else lora_lib.REFERENCE_FILE
+  record = lora_lib.read_record(workdir, name) if checkpointer.latest_step() is not None else None
+  if record is None:
+    differences = checkpoint_lib.shape_differences(checkpoint_lib.read_model_config(init_from), run_config.model)
+    if differences:
+      raise checkpoint_lib.CheckpointError(
+        f"init_from {init_from!r} holds a different model ({', '.join(differences)}); its model config must match "
+        f"this run's"
+      )
+    step = trainer.load_frozen(init_from)
+    if is_main:
+      record = lora_lib.frozen_record(init_from, step)
+      lora_lib.write_record(
+        workdir, record if lora_cfg is None else lora_lib.base_record(lora_cfg, init_from, step), name
+      )
+    return
+  if (lora_cfg is not None and lora_lib.config_of(record) != lora_cfg) or not lora_lib.same_dir(
+    record["base"], init_from
+  ):
+    held = (
+      f"adapters of rank {record['rank']}, alpha {record['alpha']}, targets {tuple(record['targets'])}"
+      if lora_cfg
+      else "a run"
+    )
+    asked = f"rank {lora_cfg.rank}, alpha {lora_cfg.alpha}, targets {lora_cfg.targets}" if lora_cfg else "a run"
+    raise lora_lib.LoraError(
+      f"workdir {workdir!r} holds {held} on {record['base']!r}; this run asks for {asked} on {init_from!r}: use a "
+      f"new --workdir"
+    )
+  lora_lib.check_base(workdir, record)
+  trainer.load_frozen(record["base"], record["base_step"])
 
 
 def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
@@ -266,6 +382,8 @@ def _locked_train(
     workdir, keep=train_cfg.keep, keep_every=train_cfg.keep_every, async_save=train_cfg.async_save
   )
   checkpointer.check_compatible(model_cfg)  # before anything is written to the workdir
+  if trainer.abstract_frozen:  # a LoRA base or a DPO reference, checked and read before any data is prepared
+    _load_frozen(trainer, checkpointer, run_config, workdir, is_main)
   tokenizer, run_data = prepare_run_data(run_config, workdir)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise data_lib.DataError(
@@ -306,8 +424,15 @@ def _locked_train(
   fine_tune_start = start == 0 and bool(run_config.init_from)
   if is_main:
     echo(
-      f"model {model_cfg.num_params():,} params | mesh {dict(trainer.mesh.shape)} | {run_data.summary} | steps "
-      f"{start} → {train_cfg.steps}" + (f" | init from {run_config.init_from}" if fine_tune_start else "")
+      f"model {model_cfg.num_params():,} params"
+      + (
+        f" | LoRA rank {trainer.lora.rank} on {','.join(trainer.lora.targets)}: "
+        f"{lora_lib.num_adapter_params(model_cfg, trainer.lora):,} trainable"
+        if trainer.lora
+        else ""
+      )
+      + f" | mesh {dict(trainer.mesh.shape)} | {run_data.summary} | steps {start} → {train_cfg.steps}"
+      + (f" | init from {run_config.init_from}" if fine_tune_start else "")
     )
 
   loop = TrainLoop(
@@ -365,10 +490,13 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
     )
     result = run_or_exit(train, run_config, workdir, hooks)
     if jax.process_index() == 0 and result["val"]:
-      print(
-        f"done: step {result['step']}, validation loss {result['val']['loss']:.4f}, "
-        f"bits/byte {result['val']['bits_per_byte']:.4f} (workdir {workdir})"
+      val = result["val"]
+      detail = (
+        f"bits/byte {val['bits_per_byte']:.4f}"
+        if "bits_per_byte" in val
+        else f"reward accuracy {val['reward_accuracy']:.4f}, margin {val['margin']:.4f}"
       )
+      print(f"done: step {result['step']}, validation loss {val['loss']:.4f}, {detail} (workdir {workdir})")
 
   app.run(run, argv, flags_parser=cli.parse_flags_or_exit)
 

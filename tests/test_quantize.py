@@ -356,7 +356,14 @@ def train_tiny_model(cfg: ModelConfig, tokens: np.ndarray, steps: int, seq_len: 
     step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.key_data(jax.random.key(0))
   )
   step_fn = jax.jit(
-    functools.partial(train.train_step, graphdef=graphdef_of(cfg), tx=tx, schedule=schedule, grad_accum=1),
+    functools.partial(
+      train.train_step,
+      objective=train.make_objective(graphdef_of(cfg), None),
+      count_name="tokens",
+      tx=tx,
+      schedule=schedule,
+      grad_accum=1,
+    ),
     donate_argnums=0,
   )
   rng = np.random.RandomState(0)

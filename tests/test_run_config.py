@@ -50,7 +50,7 @@ BAD_RUN_CONFIGS = {
     ["--config.train.seq_len=512"],
     "train.seq_len 512 is longer than model.max_seq_len 256",
   ),
-  "data_format": (TINY, ["--config.data.format=tsv"], "data.format must be one of text, chat; got 'tsv'"),
+  "data_format": (TINY, ["--config.data.format=tsv"], "data.format must be one of text, chat, preference; got 'tsv'"),
   "on_error": (TINY, ["--config.data.on_error=ignore"], "data.on_error must be one of skip, stop; got 'ignore'"),
   "val_fraction_one": (
     TINY,
