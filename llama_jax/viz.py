@@ -111,7 +111,8 @@ def _inspect_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array) -> t
 
 def inspect_forward(model: Llama, tokens: Sequence[int]) -> Inspection:
   """Runs one prompt through `model` and keeps what happens inside (see ``Inspection``). Eager, one prompt: it is
-  for looking, not for speed, and needs no compilation."""
+  for looking, not for speed. One jitted call with the layers unrolled was slower for deep models (three 32-layer
+  initialisations: 35.6 s against 19.4 s eager, 2 cores), its compile costing more than op-by-op dispatch."""
   tokens_BT = jnp.asarray(np.asarray(tokens, np.int32)[None])
   positions_BT = jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None]
   x_BTD = model._embed(tokens_BT)
