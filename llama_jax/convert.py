@@ -763,6 +763,7 @@ def to_peft(checkpoint_dir: str, out_dir: str, step: int | None = None) -> Model
   _check_new_output(out_dir)
   lora_lib.check_base(checkpoint_dir, record)
   cfg, lora = checkpoint.read_model_config(checkpoint_dir), lora_lib.config_of(record)
+  check_hf_expressible(cfg, checkpoint_dir)  # a peft adapter needs an HF base to sit on
   _, adapters = _read_adapters(checkpoint_dir, cfg, lora, step)
   with _new_output_dir(out_dir) as scratch:
     safetensors.numpy.save_file(
