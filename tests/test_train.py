@@ -352,7 +352,7 @@ def test_evaluate_data_takes_files_directories_globs_and_jsonl(straight_runs, tm
   ):
     assert evaluate.main(["--checkpoint", str(workdir), "--seq_len", str(seq_len), "--data", *data]) == 0
     lines[form] = capsys.readouterr().out.strip()
-    assert lines[form].endswith(expected), (form, lines[form], expected)
+    assert f"| {expected} |" in lines[form], (form, lines[form], expected)
   assert len(set(lines.values())) == 1, lines
 
 
