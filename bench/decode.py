@@ -66,9 +66,8 @@ def copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 def step_weights(params: dict, cfg: ModelConfig) -> list[jax.Array]:
   """The arrays a decode step reads in full: every layer's weights and scales, the final norm and the LM head (the
-  embedding table only when it is the tied head; otherwise one row per token). Post-norm and norm-free models have
-  no final norm."""
-  arrays = jax.tree.leaves(params["layers"]) + jax.tree.leaves(params.get("final_norm", {}))
+  embedding table only when it is the tied head; otherwise one row per token)."""
+  arrays = jax.tree.leaves(params["layers"]) + jax.tree.leaves(params["final_norm"])
   head = ("embed", "embed_scale") if cfg.tie_embeddings else ("lm_head", "lm_head_scale")
   return arrays + [params[name] for name in head if name in params]
 

@@ -264,13 +264,21 @@ class PackedRows:
     return {k: np.asarray(v[index]) for k, v in self.arrays.items()}
 
 
+def train_batches(
+  rows: PackedRows, global_batch: int, seed: int, process_index: int, process_count: int, what: str, unit: str
+) -> grain.MapDataset:
+  """Endless shuffled batches of prepared rows (SFT conversations or preference pairs), refused in one line when the
+  training split cannot fill one batch."""
+  if len(rows) < global_batch:
+    raise DataError(
+      f"too few {what} for one batch: {len(rows)} {unit}, but a batch needs {global_batch}; add data or lower "
+      f"train.batch_size"
+    )
+  return process_batches(rows, global_batch, seed, process_index, process_count)
+
+
 def sft_train_dataset(
   prepared_dir: str, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
 ) -> grain.MapDataset:
   rows = PackedRows(prepared_dir, "train")
-  if len(rows) < global_batch:
-    raise DataError(
-      f"too few conversations for one batch: {len(rows)} packed rows, but a batch needs "
-      f"{global_batch}; add data or lower train.batch_size"
-    )
-  return process_batches(rows, global_batch, seed, process_index, process_count)
+  return train_batches(rows, global_batch, seed, process_index, process_count, "conversations", "packed rows")

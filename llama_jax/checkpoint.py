@@ -304,28 +304,36 @@ def _load_merged_lora(
 ) -> tuple[ModelConfig, Any]:
   """A LoRA workdir read as a plain model: its base (the step lora.json names, checked unchanged) with the adapters
   of this directory's step folded into the weights, each merged weight placed as the base's."""
+  lora.check_base(directory, record)
+  lora_cfg = lora.config_of(record)
+  cfg, base = load_params(record["base"], step=record["base_step"], shardings=shardings, dtype=dtype)
+  _, adapters = read_adapters(directory, cfg, lora_cfg, step)
+  target = jax.tree.map(lambda a: a.sharding, base)
+  merge = jax.jit(lambda b, a: lora.merge(b, a, lora_cfg.scale), out_shardings=target, donate_argnums=0)
+  return cfg, merge(base, adapters)
+
+
+def read_adapters(directory: str, cfg: ModelConfig, lora_cfg: Any, step: int | None = None) -> tuple[int, Any]:
+  """(step, adapters) of a LoRA workdir's latest (or given) complete step, digests checked, refused if non-finite.
+  Adapters are small: restored as host (numpy) arrays, so they join a base on any devices, or none (conversion)."""
   import numpy as np
 
   from llama_jax import sharding
   from llama_jax.model import Llama
 
-  lora.check_base(directory, record)
-  lora_cfg = lora.config_of(record)
-  cfg, base = load_params(record["base"], step=record["base_step"], shardings=shardings, dtype=dtype)
   step = resolve_step(directory, step)
+  item = lora.split(sharding.abstract_params(functools.partial(Llama, lora=lora_cfg), cfg)[1])[1]
+  restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
   manager = _manager(directory, create=False)
-  with restore_errors(directory, step):
-    # Adapters are small: restored as host arrays, so they join a base on any devices (or none).
-    item = lora.split(sharding.abstract_params(functools.partial(Llama, lora=lora_cfg), cfg)[1])[1]
-    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
-    adapters = manager.restore(
-      step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args))
-    )["params"]
-  manager.close()
+  try:
+    with restore_errors(directory, step):
+      adapters = manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args))
+      )["params"]
+  finally:
+    manager.close()
   _check_finite(adapters, f"LoRA workdir {directory!r} step {step}")
-  target = jax.tree.map(lambda a: a.sharding, base)
-  merge = jax.jit(lambda b, a: lora.merge(b, a, lora_cfg.scale), out_shardings=target, donate_argnums=0)
-  return cfg, merge(base, adapters)
+  return step, adapters
 
 
 def _check_finite(params: Any, where: str) -> None:

@@ -28,7 +28,6 @@ meta_checkpoint.py reads Meta's params.json and merges its model-parallel shards
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import json
 import os
@@ -608,7 +607,7 @@ class _MergedLeaves:
     self._base = _CheckpointLeaves(record["base"], record["base_step"])
     self.cfg, self.directory = self._base.cfg, directory
     try:
-      self.step, self.adapters = _read_adapters(directory, self.cfg, self.lora, step)
+      self.step, self.adapters = checkpoint.read_adapters(directory, self.cfg, self.lora, step)
     except BaseException:
       self._base.close()
       raise
@@ -630,32 +629,6 @@ class _MergedLeaves:
 
   def close(self) -> None:
     self._base.close()
-
-
-def _read_adapters(directory: str, cfg: ModelConfig, lora: Any, step: int | None) -> tuple[int, dict[str, Any]]:
-  """(step, adapters as numpy) of a LoRA workdir's latest (or given) complete step, digests checked."""
-  from llama_jax import sharding
-  from llama_jax.model import Llama
-
-  step = checkpoint.resolve_step(directory, step)
-  item = lora_lib.split(sharding.abstract_params(functools.partial(Llama, lora=lora), cfg)[1])[1]
-  restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
-  options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-  manager = ocp.CheckpointManager(
-    checkpoint._steps_path(directory), options=options, item_handlers={"params": ocp.PyTreeCheckpointHandler()}
-  )
-  try:
-    with checkpoint.restore_errors(directory, step):
-      restored = manager.restore(
-        step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item, restore_args=restore_args))
-      )["params"]
-  finally:
-    manager.close()
-  if not all(np.isfinite(a).all() for a in jax.tree.leaves(restored)):
-    raise checkpoint.CheckpointError(
-      f"LoRA workdir {directory!r} step {step} holds non-finite adapter values (NaN or infinity); use an earlier step"
-    )
-  return step, restored
 
 
 def _leaves_of(directory: str, step: int | None):
@@ -764,7 +737,7 @@ def to_peft(checkpoint_dir: str, out_dir: str, step: int | None = None) -> Model
   lora_lib.check_base(checkpoint_dir, record)
   cfg, lora = checkpoint.read_model_config(checkpoint_dir), lora_lib.config_of(record)
   check_hf_expressible(cfg, checkpoint_dir)  # a peft adapter needs an HF base to sit on
-  _, adapters = _read_adapters(checkpoint_dir, cfg, lora, step)
+  _, adapters = checkpoint.read_adapters(checkpoint_dir, cfg, lora, step)
   with _new_output_dir(out_dir) as scratch:
     safetensors.numpy.save_file(
       lora_lib.peft_tensors(adapters, cfg), os.path.join(scratch, "adapter_model.safetensors"), {"format": "pt"}

@@ -81,9 +81,8 @@ def factors(module: nnx.Module, name: str) -> tuple[jax.Array, jax.Array, float]
   return a[...], getattr(module, name + B_SUFFIX)[...], module.lora_scale
 
 
-def is_adapter(path: tuple) -> bool:
-  key = getattr(path[-1], "key", path[-1])
-  return isinstance(key, str) and (key.endswith(A_SUFFIX) or key.endswith(B_SUFFIX))
+def _is_adapter(key: Any) -> bool:
+  return str(key).endswith((A_SUFFIX, B_SUFFIX))
 
 
 def _partition(tree: Mapping, keep) -> dict:
@@ -100,8 +99,7 @@ def _partition(tree: Mapping, keep) -> dict:
 
 def split(params: Mapping) -> tuple[dict, dict]:
   """(base, adapters) of a params tree of a model with adapters: two trees of the same nesting."""
-  adapter = lambda key: str(key).endswith(A_SUFFIX) or str(key).endswith(B_SUFFIX)  # noqa: E731
-  return _partition(params, lambda k: not adapter(k)), _partition(params, adapter)
+  return _partition(params, lambda k: not _is_adapter(k)), _partition(params, _is_adapter)
 
 
 def combine(base: Mapping, adapters: Mapping) -> dict:
@@ -140,17 +138,11 @@ def merge(base: Mapping, adapters: Mapping, scale: float, xp=jnp) -> dict:
 
 def num_adapter_params(cfg, lora: LoraConfig) -> int:
   """Trainable parameters of `lora` on a model of `cfg`: rank·(in + out) per targeted weight and layer."""
-  d, f, h = cfg.dim, cfg.hidden_dim, cfg.head_dim
-  sizes = {
-    "wq": (d, cfg.n_heads * h),
-    "wk": (d, cfg.n_kv_heads * h),
-    "wv": (d, cfg.n_kv_heads * h),
-    "wo": (cfg.n_heads * h, d),
-    "w_gate": (d, f),
-    "w_up": (d, f),
-    "w_down": (f, d),
-  }
-  return cfg.n_layers * sum(lora.rank * sum(sizes[t]) for t in lora.targets)
+  shapes = _weight_shapes(cfg)
+  return cfg.n_layers * sum(
+    lora.rank * (math.prod(shapes[t][: TARGET_MODULES[t][1]]) + math.prod(shapes[t][TARGET_MODULES[t][1] :]))
+    for t in lora.targets
+  )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

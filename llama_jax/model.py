@@ -114,27 +114,22 @@ class RMSNorm(nnx.Module):
     self.eps = cfg.norm_eps
     self.scale = _param(rngs, (cfg.dim,), ("norm",), cfg, init=jax.nn.initializers.ones)
 
+  def _centre(self, x32: Array) -> Array:
+    return x32  # RMSNorm does not subtract the mean
+
   @jax.named_scope("norm")
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.float32)
+    x32 = self._centre(x.astype(jnp.float32))
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(RMSNorm):
   """(x − mean(x)) / std(x) · scale, statistics in float32 as RMSNorm's; scale only, no bias (``model.norm =
   "layernorm"``: the original Transformer's norm, for comparing norms on the LLaMA blocks)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.eps = cfg.norm_eps
-    self.scale = _param(rngs, (cfg.dim,), ("norm",), cfg, init=jax.nn.initializers.ones)
-
-  @jax.named_scope("norm")
-  def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.float32)
-    centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
-    return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+  def _centre(self, x32: Array) -> Array:
+    return x32 - jnp.mean(x32, axis=-1, keepdims=True)
 
 
 def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm | LayerNorm | None:

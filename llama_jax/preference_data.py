@@ -40,7 +40,6 @@ from llama_jax.data import (
   cannot_prepare,
   file_record,
   prepared_meta,
-  process_batches,
   resolve_sources,
   validation_ids,
   write_meta,
@@ -311,12 +310,9 @@ def preference_train_dataset(
 ) -> grain.MapDataset:
   """Endless shuffled batches of `global_batch` pairs (this process's share), the PREFERENCE_KEYS [b, seq_len]."""
   rows = PreferenceRows(prepared_dir, "train")
-  if len(rows) < global_batch:
-    raise DataError(
-      f"too few preference pairs for one batch: {len(rows)} training pairs, but a batch needs {global_batch}; "
-      f"add data or lower train.batch_size"
-    )
-  return process_batches(rows, global_batch, seed, process_index, process_count)
+  return chat_data.train_batches(
+    rows, global_batch, seed, process_index, process_count, "preference pairs", "training pairs"
+  )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

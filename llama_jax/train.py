@@ -116,18 +116,27 @@ def make_objective(graphdef: nnx.GraphDef, dpo_beta: float | None) -> Callable:
   `frozen["reference"]`, the initial parameters."""
 
   def objective(params, micro, frozen):
-    base = (frozen or {}).get("base")
-    policy = lora_lib.with_frozen(params, base)
+    policy = policy_params(params, frozen)
     if dpo_beta is None:
       losses, weights = token_losses(policy, graphdef, micro)
       return jnp.sum(losses * weights), (jnp.sum(weights), {})
-    reference = (
-      frozen["reference"] if base is None else lora_lib.with_frozen(jax.tree.map(jnp.zeros_like, params), base)
-    )
+    reference = reference_params(params, frozen)
     loss_sum, pairs, sums = dpo_losses(policy, graphdef, micro, beta=dpo_beta, reference_params=reference)
     return loss_sum, (pairs, sums)
 
   return objective
+
+
+def policy_params(params: Any, frozen: dict[str, Any] | None) -> Any:
+  """The params the model runs with: the trained ones, joined to the frozen base in a LoRA run."""
+  return lora_lib.with_frozen(params, (frozen or {}).get("base"))
+
+
+def reference_params(params: Any, frozen: dict[str, Any]) -> Any:
+  """DPO's reference: the frozen initial parameters, or in a LoRA run the base with the adapters at zero."""
+  if "base" not in frozen:
+    return frozen["reference"]
+  return lora_lib.with_frozen(jax.tree.map(jnp.zeros_like, params), frozen["base"])
 
 
 class Trainer:
@@ -200,13 +209,10 @@ class Trainer:
     graphdef, beta = self.graphdef, self.dpo_beta
 
     def eval_with_frozen(params, batch, token_bytes, frozen):
-      base = frozen.get("base")
-      policy = lora_lib.with_frozen(params, base)
+      policy = policy_params(params, frozen)
       if beta is None:
         return eval_step(policy, batch, token_bytes, graphdef=graphdef)
-      reference = (
-        frozen["reference"] if base is None else lora_lib.with_frozen(jax.tree.map(jnp.zeros_like, params), base)
-      )
+      reference = reference_params(params, frozen)
       return dpo_eval_step(policy, batch, graphdef=graphdef, beta=beta, reference_params=reference)
 
     self._eval_step = jax.jit(
