@@ -173,7 +173,10 @@ class NonFiniteHook(Hook):
         continue
       self.skipped += 1
       self.in_a_row += 1
-      kept = f"nothing after step {step - 1} is saved; the latest checkpoint is step {self.latest_step() or 0}"
+      latest = self.latest_step()
+      kept = f"nothing after step {step - 1} is saved; " + (
+        f"the latest checkpoint is step {latest}" if latest is not None else "no checkpoint is saved yet"
+      )
       if self.policy == "stop":
         raise NonFiniteError(
           f"step {step}: the loss or the gradients are not finite, so training stopped "

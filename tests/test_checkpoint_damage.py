@@ -217,10 +217,10 @@ def test_disk_full_ends_the_run_in_one_line_and_a_rerun_resumes(trained, tmp_pat
   failed = subprocess.run(file_size_limited(args), cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert failed.returncode == 2, failed.stderr[-3000:]
   lines = error_lines(failed.stderr)
-  # The first line is the one error. In 1 of 2 CI runs a few more lines followed it (late output of orbax's
-  # writer threads at exit; not yet silenced, see the closing note of #16): exactly one error line, first, is held.
-  assert lines[0].startswith("error: could not write checkpoint step 12 to "), lines
-  assert sum(line.startswith("error:") for line in lines) == 1, lines
+  # One line. The failed save's orphaned write tasks log their tracebacks through asyncio as they are collected,
+  # a timing-dependent 0 to 115 lines after the error in runs measured by hand (1 CI run of 2 had some here);
+  # they are silenced once the failure is reported.
+  assert len(lines) == 1 and lines[0].startswith("error: could not write checkpoint step 12 to "), lines
   assert str(workdir / "checkpoints" / "12.orbax-checkpoint-tmp") in lines[0] and "(File too large)" in lines[0]
   assert "the latest checkpoint is still step 8" in lines[0]
   assert [s for s in saved_steps(workdir) if s.isdigit()] == ["4", "8"]

@@ -41,6 +41,15 @@ def test_stop_names_the_step_and_saves_nothing_after_it(tmp_path, small_tokenize
 
 
 @needs_shakespeare
+def test_a_learning_rate_typo_stops_before_the_first_save_and_says_nothing_is_saved(tmp_path, small_tokenizer):
+  # lr=1e30 (a typo for 1e-3): the loss is no longer finite by step 3, before the first save at step 4.
+  workdir = tmp_path / "typo"
+  result = run_train(workdir, small_tokenizer, "--config.train.lr=1e30", check=False)
+  assert_one_line_error(result, "the loss or the gradients are not finite", "no checkpoint is saved yet")
+  assert not os.path.isdir(workdir / "checkpoints") or saved_steps(workdir) == []
+
+
+@needs_shakespeare
 def test_skip_leaves_the_state_bit_identical_across_the_step(tmp_path, small_tokenizer):
   workdir = tmp_path / "skip"
   run_train(
