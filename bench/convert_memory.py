@@ -40,16 +40,17 @@ def child(direction: str, source: str, out: str, result_path: str) -> None:
   """Runs one conversion and writes {"peak_bytes", "baseline_bytes", "seconds"} to `result_path`."""
   import jax
 
-  from llama_jax import convert, model, sharding  # noqa: F401 (imported before the baseline, as conversion needs them)
+  from llama_jax import interop
 
   if direction == "from_meta":
     import torch  # noqa: F401
+  convert = getattr(interop, direction)  # imported now, before the baseline
   jax.devices()
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets VmHWM to the current resident size
   baseline = _status_bytes("VmRSS")
   start = time.perf_counter()
-  getattr(convert, direction)(source, out)
+  convert(source, out)
   seconds = time.perf_counter() - start
   result = {"peak_bytes": _status_bytes("VmHWM") - baseline, "baseline_bytes": baseline, "seconds": seconds}
   with open(result_path, "w") as f:
@@ -81,7 +82,7 @@ def write_meta_dir(hf_dir: str, meta_dir: str, cfg, n_shards: int = 2) -> None:
   import torch
   from safetensors import safe_open
 
-  from llama_jax import meta_checkpoint
+  from llama_jax.interop import meta as meta_checkpoint
 
   names = meta_checkpoint.meta_names(cfg)  # HF name → (Meta name, split dim)
 
@@ -115,9 +116,11 @@ def measure(
   """{"model_bytes", direction: {"peak_bytes", "baseline_bytes", "seconds", "ratio"}} for a random float32 model."""
   import jax
 
-  from llama_jax import checkpoint, convert, sharding
-  from llama_jax.config import ModelConfig
-  from llama_jax.model import Llama
+  from llama_jax.checkpoint import params as checkpoint_params
+  from llama_jax.core.model_config import ModelConfig
+  from llama_jax.interop import hf as convert
+  from llama_jax.model import sharding
+  from llama_jax.model.llama import Llama
 
   cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=max(2, dim // 64), multiple_of=256)
   _, target = sharding.abstract_params(Llama, cfg)
@@ -125,7 +128,7 @@ def measure(
   params = jax.tree.map(lambda a: 0.02 * rng.standard_normal(a.shape, dtype=np.float32), target)
   model_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
   assert model_bytes == 4 * cfg.num_params()
-  checkpoint.save_params_dir(os.path.join(workdir, "ckpt"), cfg, params)
+  checkpoint_params.save_params_dir(os.path.join(workdir, "ckpt"), cfg, params)
   convert.write_hf_dir(os.path.join(workdir, "hf"), cfg, params)
   if "from_meta" in directions:
     write_meta_dir(os.path.join(workdir, "hf"), os.path.join(workdir, "meta"), cfg)

@@ -37,10 +37,12 @@ import transformers
 from flax import nnx
 from timing import median_seconds
 
-from llama_jax import convert, inference
-from llama_jax.config import ModelConfig
-from llama_jax.model import Llama
-from llama_jax.sample import Sampler
+from llama_jax.core.model_config import ModelConfig
+from llama_jax.inference import placement as inference
+from llama_jax.inference.sampler import Sampler
+from llama_jax.interop import hf
+from llama_jax.interop import hf_config as hf_config_lib
+from llama_jax.model.llama import Llama
 
 SHAPES = {
   "stories15M": ModelConfig(
@@ -93,7 +95,7 @@ def read_seconds(arrays: list[jax.Array], repeats: int) -> float:
 def products_seconds(params: dict, cfg: ModelConfig, batch: int, repeats: int) -> float:
   """Seconds for one decode step's matrix products alone (batch rows, the model's dtypes and int8 dequantization,
   `model.project`), each product's input depending on the previous product's output."""
-  from llama_jax.model import project
+  from llama_jax.model.llama import project
 
   dtype = jnp.dtype(cfg.dtype)
 
@@ -128,11 +130,9 @@ def products_seconds(params: dict, cfg: ModelConfig, batch: int, repeats: int) -
 
 def hf_reference(cfg: ModelConfig, params: dict, dtype: str):
   hf_model = transformers.LlamaForCausalLM(
-    transformers.LlamaConfig.from_dict(convert.hf_config_from_model_config(cfg))
+    transformers.LlamaConfig.from_dict(hf_config_lib.hf_config_from_model_config(cfg))
   ).eval()
-  hf_model.load_state_dict(
-    {k: torch.from_numpy(v) for k, v in convert.hf_from_params(params, cfg).items()}, strict=False
-  )
+  hf_model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.hf_from_params(params, cfg).items()}, strict=False)
   hf_model.generation_config.eos_token_id = None
   if dtype == "bfloat16":
     hf_model = hf_model.to(torch.bfloat16)

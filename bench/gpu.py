@@ -24,10 +24,13 @@ import numpy as np
 from flax import nnx
 from timing import median_seconds
 
-from llama_jax import config as config_lib
-from llama_jax import flops, sharding, train
-from llama_jax.model import Llama
-from llama_jax.sample import Sampler
+from llama_jax.core import model_config as model_config_lib
+from llama_jax.core import run_config as run_config_lib
+from llama_jax.inference.sampler import Sampler
+from llama_jax.model import sharding
+from llama_jax.model.llama import Llama
+from llama_jax.training import flops
+from llama_jax.training import trainer as train
 
 # TinyLlama 1.1B: 22 layers, GQA 32/4 heads, MLP 5632.
 TRAIN_1B = dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden_dim=5632)
@@ -45,10 +48,10 @@ def copy_bandwidth(n_bytes: int) -> float:
 
 
 def bench_train(model: dict, batch: int, seq_len: int, remat: str, steps: int) -> dict:
-  run_config = config_lib.base_run_config()
+  run_config = run_config_lib.base_run_config()
   run_config.model.update(**model, dtype="bfloat16", param_dtype="float32", max_seq_len=seq_len, remat=remat)
   run_config.train.update(batch_size=batch, seq_len=seq_len, steps=1000, warmup_steps=10)
-  model_cfg = config_lib.model_config_from(run_config)
+  model_cfg = model_config_lib.model_config_from(run_config)
   mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   trainer = train.Trainer(model_cfg, run_config, mesh)
   state = trainer.init_state()
@@ -81,9 +84,9 @@ def bench_train(model: dict, batch: int, seq_len: int, remat: str, steps: int) -
 
 
 def bench_decode(model: dict, batches: list[int], new_tokens: int, repeats: int) -> list[dict]:
-  cfg = config_lib.ModelConfig(**model, dtype="bfloat16", param_dtype="bfloat16", max_seq_len=2048)
+  cfg = model_config_lib.ModelConfig(**model, dtype="bfloat16", param_dtype="bfloat16", max_seq_len=2048)
   mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  params = nnx.to_pure_dict(nnx.state(sharding.init_model(Llama, cfg, mesh, config_lib.DEFAULT_LOGICAL_AXIS_RULES)))
+  params = nnx.to_pure_dict(nnx.state(sharding.init_model(Llama, cfg, mesh, run_config_lib.DEFAULT_LOGICAL_AXIS_RULES)))
   sampler = Sampler(cfg, params, eos_id=-1)
   del params
   weight_bytes = sum(a.nbytes for a in jax.tree.leaves(sampler.params)) - cfg.vocab_size * cfg.dim * 2  # one row

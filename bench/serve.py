@@ -31,10 +31,10 @@ import numpy as np
 from decode import SHAPES
 from flax import nnx
 
-from llama_jax import checkpoint
-from llama_jax.engine import STEPS_PER_CALL
-from llama_jax.model import Llama
-from llama_jax.sample import load_sampler
+from llama_jax.checkpoint import params as checkpoint_params
+from llama_jax.inference.engine import STEPS_PER_CALL
+from llama_jax.inference.sampler import load_sampler
+from llama_jax.model.llama import Llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
@@ -51,7 +51,7 @@ def cpu_name() -> str:
 def make_checkpoint(directory: str, tokenizer: str) -> str:
   cfg = SHAPES["stories15M"]
   params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0))))
-  checkpoint.save_params_dir(directory, cfg, params, tokenizer_path=tokenizer)
+  checkpoint_params.save_params_dir(directory, cfg, params, tokenizer_path=tokenizer)
   return directory
 
 

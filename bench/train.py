@@ -38,8 +38,12 @@ import torch
 import transformers
 from timing import step_times
 
-from llama_jax import config as config_lib
-from llama_jax import convert, flops, sharding, train
+from llama_jax.core import model_config as model_config_lib
+from llama_jax.core import run_config as run_config_lib
+from llama_jax.interop import hf_config as hf_config_lib
+from llama_jax.model import sharding
+from llama_jax.training import flops
+from llama_jax.training import trainer as train
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP_NORM = 3e-4, 0.9, 0.95, 1e-8, 0.1, 1.0
 
@@ -121,7 +125,7 @@ def matmul_peaks(size: int) -> dict[str, float]:
 
 
 def make_run_config(shape: Shape, dtype: str, remat: str = "none"):
-  run_config = config_lib.base_run_config()
+  run_config = run_config_lib.base_run_config()
   run_config.model.update(**shape.model, dtype=dtype, param_dtype="float32", max_seq_len=shape.seq_len, remat=remat)
   run_config.train.update(
     batch_size=shape.batch_size,
@@ -143,7 +147,7 @@ def bench_jax(
 ) -> dict[str, Any]:
   """llama_jax's Trainer.train_step on one device; compile (trace + lower + XLA compile) is timed on its own."""
   run_config = make_run_config(shape, dtype, remat)
-  model_cfg = config_lib.model_config_from(run_config)
+  model_cfg = model_config_lib.model_config_from(run_config)
   # One device, like the single torch process: an XLA_FLAGS host device count must not split the batch.
   mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1), devices=jax.devices()[:1])
   trainer = train.Trainer(model_cfg, run_config, mesh)
@@ -172,9 +176,9 @@ def bench_jax(
 
 def bench_torch(shape: Shape, inputs: np.ndarray, targets: np.ndarray, warmup: int, steps: int) -> dict[str, Any]:
   """HF LlamaForCausalLM (same hyper-parameters via convert.hf_config_from_model_config) + fused AdamW."""
-  model_cfg = config_lib.model_config_from(make_run_config(shape, "float32"))
+  model_cfg = model_config_lib.model_config_from(make_run_config(shape, "float32"))
   torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig.from_dict(convert.hf_config_from_model_config(model_cfg))
+  hf_config = transformers.LlamaConfig.from_dict(hf_config_lib.hf_config_from_model_config(model_cfg))
   hf_config._attn_implementation = "sdpa"
   hf_config.use_cache = False  # a training step has no use for a KV cache
   model = transformers.LlamaForCausalLM(hf_config).train()
@@ -211,7 +215,7 @@ def bench_torch(shape: Shape, inputs: np.ndarray, targets: np.ndarray, warmup: i
 
 
 def bench_shape(shape: Shape, warmup: int, steps: int, peak: float, remat: str) -> dict[str, Any]:
-  model_cfg = config_lib.model_config_from(make_run_config(shape, "float32"))
+  model_cfg = model_config_lib.model_config_from(make_run_config(shape, "float32"))
   rng = np.random.default_rng(0)
   window = rng.integers(0, model_cfg.vocab_size, (shape.batch_size, shape.seq_len + 1), dtype=np.int32)
   inputs, targets = window[:, :-1], window[:, 1:]
@@ -296,7 +300,7 @@ def main(argv=None) -> None:
   parser.add_argument("--json", default="", help="also write the results to this JSON file")
   # Experiments on the JAX side only; the defaults measure llama_jax as it is configured out of the box.
   parser.add_argument(
-    "--remat", default="none", choices=config_lib.REMAT_POLICIES, help="llama_jax model.remat for both JAX runs"
+    "--remat", default="none", choices=model_config_lib.REMAT_POLICIES, help="llama_jax model.remat for both JAX runs"
   )
   args = parser.parse_args(argv)
 

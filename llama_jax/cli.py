@@ -1,5 +1,6 @@
 """What every ``python -m llama_jax.X`` shares on the command line: flag parsing that fails as one line and exit
-status 2, and the checked run config of a ``--config`` file.
+status 2, the checked run config of a ``--config`` file, and the flags of the commands that load a model for decoding.
+Not a command itself: the commands beside it import it.
 
 Two parsers, one rule. Commands that take a run config file (``train``, ``plan``, ``config``) use absl flags with
 ml_collections' ``config_flags``: the only parser that applies ``--config.train.lr=1e-3`` overrides to a Python config
@@ -13,8 +14,12 @@ import argparse
 import dataclasses
 from typing import NoReturn
 
-from llama_jax.config import ConfigError, RunConfig, did_you_mean, run_config_from
-from llama_jax.errors import exit_with_error
+from absl import flags
+
+from llama_jax.core.checks import ConfigError, did_you_mean
+from llama_jax.core.errors import exit_with_error
+from llama_jax.core.model_config import DTYPES, QUANTIZE_MODES
+from llama_jax.core.run_config import RunConfig, run_config_from
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -45,8 +50,6 @@ def _flag_value(argv: list[str], name: str) -> str:
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
   """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
   one-line error and exit status 2, instead of a traceback."""
-  from absl import flags
-
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
@@ -70,11 +73,29 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
 def run_config_from_flag_or_exit(config_flag) -> RunConfig:
   """The checked RunConfig of a ``DEFINE_config_file`` flag; a missing file or a bad value exits with status 2 and
   one line that names it (and the config file)."""
-  from absl import flags
-
   try:
     return run_config_from(config_flag.value)
   except OSError as e:
     exit_with_error(f"cannot load config file {str(e).split()[-1]}")
   except ConfigError as e:
     exit_with_error(f"{flags.FLAGS['config'].config_filename}: {e}")
+
+
+def add_model_flags(parser: ArgumentParser) -> None:
+  """--step, --mesh, --dtype, --quantize: which step of a checkpoint is read and how it is placed for decoding
+  (sample, chat, evaluate, serve)."""
+  parser.add_argument(
+    "--step", type=int, help="checkpoint step to read (default: the latest); an earlier one when the latest is damaged"
+  )
+  parser.add_argument(
+    "--mesh",
+    help="decode mesh, e.g. data=1,tensor=-1 (default: every device on tensor; weights split over tensor, "
+    "batch rows over data)",
+  )
+  parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (and compute) to this dtype at load")
+  parser.add_argument(
+    "--quantize",
+    choices=QUANTIZE_MODES,
+    default="none",
+    help="int8: weight-only int8 with per-output-channel scales (memory; slower on CPU)",
+  )

@@ -1,466 +1,30 @@
-"""Decoding: a jitted prefill that fills an explicit KV cache, then one jitted while_loop that emits tokens.
+"""Generate text from a checkpoint directory, or chat with it.
 
     python -m llama_jax.sample --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--prompt_file F]
         [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]
-        [--mesh data=1,tensor=-1] [--dtype bfloat16] [--quantize int8]
+        [--mesh data=1,tensor=-1] [--dtype bfloat16] [--quantize int8] [--chat [--system TEXT]]
 
-On a mesh (``inference``), weights are split over `tensor` and batch rows over `data`; the batch is padded to a
-multiple of `data` with copies of the first prompt, whose outputs are dropped.
-
-Batched prompts are right-padded to a bucket length (powers of two from 16, so a new prompt length rarely
-recompiles); padding is stored in the cache as empty slots, and each row continues from its own length with its own
-positions. Generated tokens of every row go to the same slot (bucket + step), so the cache index stays one scalar.
-Rows stop at eos or an extra stop id; finished rows keep emitting eos and no longer change. The cache holds
-bucket + max_new_tokens slots; a prompt plus max_new_tokens beyond the model's max_seq_len is refused.
+Decoding is ``inference/sampler.py``'s: a jitted prefill, then one jitted while_loop; on a mesh, weights split over
+`tensor` and batch rows over `data`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax.experimental.layout import Format, Layout
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from llama_jax import checkpoint, inference, sharding
-from llama_jax.cli import ArgumentParser
-from llama_jax.config import ModelConfig
-from llama_jax.distributed import is_main_process, maybe_initialize_distributed
-from llama_jax.errors import LlamaJaxError, run_or_exit
-from llama_jax.model import KVCache, Llama
-from llama_jax.tokenizer import TOKENIZER_FILE, Tokenizer
-
-MIN_BUCKET = 16
-
-
-class SampleError(LlamaJaxError, ValueError):
-  """A sampling request is out of range; the message names the value and the allowed range."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off. All sampling math is float32."""
-
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    if not self.temperature >= 0:
-      raise SampleError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise SampleError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise SampleError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def filter_logits(logits_BV: jax.Array, sampling: SamplingConfig) -> jax.Array:
-  """Temperature-scaled float32 logits with everything outside the top-k and the top-p nucleus set to -inf."""
-  logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
-  if sampling.top_k:
-    kth_largest = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
-    logits_BV = jnp.where(logits_BV < kth_largest, -jnp.inf, logits_BV)
-  if sampling.top_p < 1.0:
-    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p.
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = mass_before_BV < sampling.top_p
-    threshold_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
-  return logits_BV
-
-
-def next_token(logits_BV: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
-  if sampling.temperature == 0:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(rng, filter_logits(logits_BV, sampling), axis=-1).astype(jnp.int32)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-  """What the decode loop carries: the cache, each row's last token, next position and done flag, the RNG, the
-  number of steps taken, and the tokens emitted so far [B, max_new_tokens]."""
-
-  cache: KVCache
-  token: jax.Array
-  position: jax.Array
-  done: jax.Array
-  rng: jax.Array
-  step: jax.Array
-  tokens: jax.Array
-
-
-def prefill(
-  params: Any,
-  prompts_BP: jax.Array,
-  lengths_B: jax.Array,
-  cache: KVCache,
-  seed: jax.Array,
-  *,
-  graphdef: nnx.GraphDef,
-  sampling: SamplingConfig,
-  max_new_tokens: int,
-  stop_ids: tuple[int, ...],
-) -> DecodeState:
-  """Runs the right-padded prompts through the model into the cache and samples each row's first new token."""
-  model = nnx.merge(graphdef, params)
-  batch, bucket = prompts_BP.shape
-  positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
-  segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
-  last_B1V, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP, logits_at_B=lengths_B - 1)
-  last_BV = last_B1V[:, 0]
-  rng, step_rng = jax.random.split(jax.random.key(seed))
-  token_B = next_token(last_BV, step_rng, sampling)
-  tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
-  return _constrained(
-    DecodeState(
-      cache=cache,
-      token=token_B,
-      position=lengths_B.astype(jnp.int32),
-      done=jnp.isin(token_B, jnp.asarray(stop_ids)),
-      rng=rng,
-      step=jnp.ones((), jnp.int32),
-      tokens=tokens,
-    )
-  )
-
-
-def decode(
-  params: Any,
-  state: DecodeState,
-  until_step: jax.Array,
-  *,
-  graphdef: nnx.GraphDef,
-  sampling: SamplingConfig,
-  stop_ids: tuple[int, ...],
-  pad_id: int,
-) -> DecodeState:
-  """Emits tokens until `until_step` tokens exist or every row is done: one compiled while_loop, no Python per
-  token. Called once with until_step = max_new_tokens for a batch, or in chunks to stream."""
-  model = nnx.merge(graphdef, params)
-  stop = jnp.asarray(stop_ids)
-  limit = jnp.minimum(until_step, state.tokens.shape[1])
-
-  def cond(s: DecodeState):
-    return (s.step < limit) & ~jnp.all(s.done)
-
-  def body(s: DecodeState) -> DecodeState:
-    logits_B1V, cache = model.decode(s.token[:, None], s.position[:, None], s.cache)
-    rng, step_rng = jax.random.split(s.rng)
-    token_B = next_token(logits_B1V[:, 0], step_rng, sampling)
-    token_B = jnp.where(s.done, pad_id, token_B)  # finished rows no longer change
-    tokens = jax.lax.dynamic_update_slice(s.tokens, token_B[:, None], (0, s.step))
-    return _constrained(
-      DecodeState(
-        cache=cache,
-        token=token_B,
-        position=s.position + 1,
-        done=s.done | jnp.isin(token_B, stop),
-        rng=rng,
-        step=s.step + 1,
-        tokens=tokens,
-      )
-    )
-
-  return jax.lax.while_loop(cond, body, state)
-
-
-def _constrained(state: DecodeState) -> DecodeState:
-  """The decode state in its shardings (under a mesh and rules; a no-op otherwise): the cache split by batch row
-  and kv head, everything else (a few ints per row) replicated, so any process can read the emitted tokens and the
-  loop condition needs no gather."""
-  kv = [sharding.constrain(a, inference.CACHE_KV_AXES) for a in (*state.cache.k, *state.cache.v)]
-  n = len(state.cache.k)
-  cache = KVCache(
-    k=tuple(kv[:n]),
-    v=tuple(kv[n:]),
-    positions=sharding.constrain(state.cache.positions, inference.CACHE_POSITIONS_AXES),
-    index=state.cache.index,
-  )
-  small = {
-    name: sharding.constrain(getattr(state, name), (None,) * getattr(state, name).ndim)
-    for name in ("token", "position", "done", "tokens")
-  }
-  return DecodeState(cache=cache, rng=state.rng, step=state.step, **small)
-
-
-# Physical order of each [B, K, S, H] cache buffer, major to minor, where the default row-major order costs memory.
-# The TPU compiler keeps the cache slot-major inside the decode loop ([S, K, B, H]: what Layout.AUTO picks on v5p);
-# handed a row-major buffer it copies the whole cache into that order at loop entry and back at exit. Measured with
-# the TPU compiler (v5p, dim 1024, H = 128, batch 8 × 2,048 slots): loop temporaries 288 MiB for a 256 MiB cache
-# row-major, 53 MiB slot-major. Only for H a multiple of 128 (every LLaMA 2 size): TPU tiles the minor axis by 128,
-# and a slot-major cache with H = 32 takes 4× its bytes. Elsewhere row-major, which XLA:CPU's attention products
-# read without a transpose.
-SLOT_MAJOR = (2, 1, 0, 3)
-
-
-def default_cache_layout(platform: str, head_dim: int) -> tuple[int, ...] | None:
-  return SLOT_MAJOR if platform == "tpu" and head_dim % 128 == 0 else None
-
-
-def cache_formats(mesh: Mesh, rules, n_layers: int, layout: tuple[int, ...] | None) -> KVCache:
-  """Shardings (with the buffers' memory layout, where one is set) of a per-layer KV cache: a KVCache of them."""
-  shardings = inference.cache_shardings(mesh, rules)
-  kv = shardings["kv"] if layout is None else Format(Layout(major_to_minor=layout), shardings["kv"])
-  per_layer = (kv,) * n_layers
-  return KVCache(k=per_layer, v=per_layer, positions=shardings["positions"], index=shardings["index"])
-
-
-def decode_programs(
-  graphdef: nnx.GraphDef,
-  mesh: Mesh,
-  rules,
-  param_shardings: Any,
-  n_layers: int,
-  *,
-  layout: tuple[int, ...] | None,
-  sampling: SamplingConfig,
-  max_new_tokens: int,
-  stop_ids: tuple[int, ...],
-  pad_id: int,
-):
-  """(prefill, decode loop) jitted with every input and output placement spelled out, so the cache keeps one layout
-  from the empty buffers through prefill and every loop call (the Sampler runs these; ``plan --decode`` compiles
-  them)."""
-  replicated = NamedSharding(mesh, PartitionSpec())
-  rows = sharding.logical_to_spec(("activation_batch",), rules)
-  state = DecodeState(
-    cache=cache_formats(mesh, rules, n_layers, layout),
-    token=replicated,
-    position=replicated,
-    done=replicated,
-    rng=replicated,
-    step=replicated,
-    tokens=replicated,
-  )
-  prefill_fn = jax.jit(
-    functools.partial(prefill, graphdef=graphdef, sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
-    in_shardings=(
-      param_shardings,
-      NamedSharding(mesh, PartitionSpec(*rows, None)),
-      NamedSharding(mesh, rows),
-      state.cache,
-      replicated,
-    ),
-    out_shardings=state,
-    donate_argnums=(3,),
-  )
-  decode_fn = jax.jit(
-    functools.partial(decode, graphdef=graphdef, sampling=sampling, stop_ids=stop_ids, pad_id=pad_id),
-    in_shardings=(param_shardings, state, replicated),
-    out_shardings=state,
-    donate_argnums=(1,),
-  )
-  return prefill_fn, decode_fn
-
-
-def bucket_length(n: int, limit: int) -> int:
-  """The padded prompt length: the next power of two ≥ n (at least MIN_BUCKET), capped at `limit`."""
-  bucket = MIN_BUCKET
-  while bucket < n:
-    bucket *= 2
-  return max(n, min(bucket, limit))
-
-
-class Sampler:
-  """Compiled prefill and decode for one model on one mesh; programs are cached per (sampling, length, stops).
-
-  `params` are the model's in either layout, anywhere (host numpy, one device, or already sharded); they are placed
-  in the decoding layout with the decode shardings of `mesh` (see ``inference``; default: one device), cast to
-  `dtype` and quantized as asked. `donate` frees the given arrays as they are placed (loading from a checkpoint).
-  """
-
-  def __init__(
-    self,
-    cfg: ModelConfig,
-    params: Any,
-    eos_id: int,
-    pad_id: int | None = None,
-    *,
-    mesh: Mesh | None = None,
-    dtype: str | None = None,
-    quantize: str = "none",
-    donate: bool = False,
-    cache_layout: tuple[int, ...] | None | str = "auto",
-  ):
-    self.mesh = mesh if mesh is not None else inference.decode_mesh(devices=jax.local_devices()[:1])
-    # Decoding runs the layers as separate modules, each reading its own weight buffers in place.
-    self.cfg, self.params = inference.place_params(
-      cfg, params, self.mesh, dtype=dtype, quantize=quantize, donate=donate
-    )
-    self.rules = inference.decode_rules(self.cfg, self.mesh)
-    self.eos_id = eos_id
-    self.pad_id = eos_id if pad_id is None or pad_id < 0 else pad_id
-    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(self.cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
-    # "auto": the platform's (default_cache_layout); None: row-major; or an explicit major-to-minor order (tests).
-    platform = self.mesh.devices.flat[0].platform
-    auto = default_cache_layout(platform, self.cfg.head_dim)
-    self.cache_layout = auto if cache_layout == "auto" else cache_layout
-    self._empty_cache = jax.jit(
-      functools.partial(KVCache.empty, per_layer=True),
-      static_argnums=(0, 1, 2),
-      out_shardings=cache_formats(self.mesh, self.rules, self.cfg.n_layers, self.cache_layout),
-    )
-
-  def weight_bytes_per_device(self) -> int:
-    return inference.per_device_bytes(self.params)
-
-  def cache_bytes_per_device(self, batch: int, length: int) -> int:
-    return inference.cache_bytes_per_device(self.cfg, self.mesh, inference.padded_rows(batch, self.mesh), length)
-
-  # Cached per sampler (the cache holding `self` is intended: a sampler lives as long as its compiled programs).
-  @functools.lru_cache(maxsize=32)  # noqa: B019
-  def _compiled(self, sampling: SamplingConfig, max_new_tokens: int, stop_ids: tuple[int, ...]):
-    return decode_programs(
-      self.graphdef,
-      self.mesh,
-      self.rules,
-      jax.tree.map(lambda a: a.sharding, self.params),
-      self.cfg.n_layers,
-      layout=self.cache_layout,
-      sampling=sampling,
-      max_new_tokens=max_new_tokens,
-      stop_ids=stop_ids,
-      pad_id=self.pad_id,
-    )
-
-  def empty_cache(self, batch: int, length: int) -> KVCache:
-    """A KV cache of `batch` rows and `length` slots created directly in its shards and memory layout (one program
-    per shape, compiled once per sampler)."""
-    return self._empty_cache(self.cfg, batch, length)
-
-  def _put(self, host: np.ndarray, spec: PartitionSpec) -> jax.Array:
-    """A host array (the same on every process) as a global array split by `spec`."""
-    target = NamedSharding(self.mesh, spec)
-    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
-
-  def generate(
-    self,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
-    seed: int = 0,
-    stop_ids: Sequence[int] = (),
-    chunk: int = 0,
-    on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
-  ) -> list[list[int]]:
-    """Each prompt's new tokens, cut after the first stop token (eos or `stop_ids`, which is kept out of the text).
-
-    With `chunk` > 0 the loop runs `chunk` tokens per call and `on_tokens(new_tokens [B, n], done [B])` sees them as
-    they come (streaming); otherwise one call runs to the end.
-    """
-    self.validate(prompts, max_new_tokens)
-    stops = tuple(sorted({self.eos_id, *stop_ids}))
-    n_prompts = len(prompts)
-    prompts = list(prompts) + [prompts[0]] * (inference.padded_rows(n_prompts, self.mesh) - n_prompts)
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    bucket = bucket_length(int(lengths.max()), self.cfg.max_seq_len - max_new_tokens)
-    padded = np.full((len(prompts), bucket), self.pad_id, np.int32)
-    for row, prompt in enumerate(prompts):
-      padded[row, : len(prompt)] = prompt
-    prefill_fn, decode_fn = self._compiled(sampling, max_new_tokens, stops)
-    rows = sharding.logical_to_spec(("activation_batch",), self.rules)
-    with sharding.activate(self.mesh, self.rules):
-      cache = self.empty_cache(len(prompts), bucket + max_new_tokens)
-      state = prefill_fn(
-        self.params,
-        self._put(padded, PartitionSpec(*rows, None)),
-        self._put(lengths, rows),
-        cache,
-        self._put(np.asarray(seed, np.uint32), PartitionSpec()),
-      )
-      emitted = 0
-      while True:
-        step = int(state.step)
-        done = np.asarray(state.done)[:n_prompts]
-        if on_tokens is not None and step > emitted:
-          on_tokens(np.asarray(state.tokens[:n_prompts, emitted:step]), done)
-        emitted = step
-        if step >= max_new_tokens or bool(np.all(np.asarray(state.done))):
-          break
-        until = max_new_tokens if not chunk else min(step + chunk, max_new_tokens)
-        state = decode_fn(self.params, state, self._put(np.asarray(until, np.int32), PartitionSpec()))
-    tokens = np.asarray(state.tokens[:n_prompts, :emitted])
-    return [_until_stop(row, stops) for row in tokens]
-
-  def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-    if not prompts:
-      raise SampleError("no prompt given: pass at least one non-empty prompt")
-    for i, prompt in enumerate(prompts):
-      if len(prompt) == 0:
-        raise SampleError(f"prompt {i} is empty: prompts need at least one token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-      raise SampleError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > self.cfg.max_seq_len:
-      raise SampleError(
-        f"prompt length {longest} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
-        f"exceeds the model's max_seq_len {self.cfg.max_seq_len}; shorten the prompt or lower "
-        f"--max_new_tokens to at most {self.cfg.max_seq_len - longest}"
-      )
-
-
-def _until_stop(tokens: np.ndarray, stops: tuple[int, ...]) -> list[int]:
-  out = []
-  for token in tokens.tolist():
-    if token in stops:
-      break
-    out.append(token)
-  return out
-
-
-def load_sampler(
-  checkpoint_dir: str,
-  mesh: Mesh | None = None,
-  dtype: str | None = None,
-  quantize: str = "none",
-  step: int | None = None,
-) -> tuple[Sampler, Tokenizer]:
-  """A Sampler and the tokenizer of a checkpoint directory (from training or conversion), its weights (of `step`,
-  default the latest) restored straight into their decode shardings on `mesh` (default: one device), cast to
-  `dtype`, quantized as asked."""
-  cfg = checkpoint.read_model_config(checkpoint_dir)
-  tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_FILE)
-  if not os.path.isfile(tokenizer_path):
-    raise checkpoint.CheckpointError(f"{checkpoint_dir!r} has no {TOKENIZER_FILE}; sampling needs one")
-  tokenizer = Tokenizer(tokenizer_path)
-  mesh = mesh if mesh is not None else inference.decode_mesh(devices=jax.local_devices()[:1])
-  cfg, params = inference.load_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize, step=step)
-  return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh), tokenizer
-
-
-def sampler_from_args(args) -> tuple[Sampler, Tokenizer]:
-  """The sampler the CLI flags ask for, on every device of every process (multi-host: same command everywhere)."""
-  maybe_initialize_distributed()
-  mesh = inference.decode_mesh(args.mesh)
-  return load_sampler(args.checkpoint, mesh, args.dtype, args.quantize, args.step)
-
-
-def report_placement(sampler: Sampler) -> None:
-  """One line on stderr (process 0): the decode mesh and the weight bytes each device holds."""
-  if not is_main_process():
-    return
-  mesh = sampler.mesh
-  kind = sampler.cfg.param_dtype + (" + int8" if sampler.cfg.quantize == "int8" else "")
-  print(
-    f"decoding on mesh {dict(mesh.shape)} of {mesh.devices.size} {mesh.devices.flat[0].platform} device(s): "
-    f"{sampler.weight_bytes_per_device() / 2**20:.1f} MiB of weights ({kind}) per device",
-    file=sys.stderr,
-  )
+from llama_jax import cli
+from llama_jax.core import distributed
+from llama_jax.core.errors import FlagError, run_or_exit
+from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.inference import placement
+from llama_jax.inference.console import TextStream, chat_session, interactive_turns
+from llama_jax.inference.sampler import Sampler, describe_placement, load_sampler
+from llama_jax.inference.sampling import SamplingConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = ArgumentParser(prog="python -m llama_jax.sample", description=__doc__.split("\n\n")[0])
+  parser = cli.ArgumentParser(prog="python -m llama_jax.sample", description=__doc__.split("\n\n")[0])
   parser.add_argument(
     "--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)"
   )
@@ -471,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
   parser.add_argument("--top_p", type=float, default=0.95, help="nucleus: smallest set with this mass (1 = off)")
   parser.add_argument("--seed", type=int, default=0)
-  inference.add_model_flags(parser)
+  cli.add_model_flags(parser)
   parser.add_argument(
     "--chat",
     action="store_true",
@@ -486,60 +50,89 @@ def main(argv: list[str] | None = None) -> int:
     help="print tokens as they come (auto: when stdout is a terminal and there is one prompt)",
   )
   args = parser.parse_args(argv)
-  if args.chat:
-    from llama_jax import chat_repl  # the REPL sits on top of this module
-
-    run_or_exit(chat_repl.main, args)
-  else:
-    run_or_exit(_complete_prompts, args)
+  run_or_exit(_chat if args.chat else _complete_prompts, args)
   return 0
+
+
+def _sampling(args) -> SamplingConfig:
+  """The sampling flags (plain and chat), checked once."""
+  sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+  if args.max_new_tokens < 1:
+    raise FlagError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
+  return sampling
 
 
 def _read_prompts(args) -> list[str]:
   prompts = list(args.prompt)
   if args.prompt_file:
     if not os.path.isfile(args.prompt_file):
-      raise SampleError(f"prompt file {args.prompt_file!r} does not exist")
+      raise FlagError(f"prompt file {args.prompt_file!r} does not exist")
     with open(args.prompt_file, encoding="utf-8") as f:
       prompts += [line.rstrip("\n") for line in f if line.strip()]
   if not prompts:
-    raise SampleError("no prompt given: pass --prompt TEXT or --prompt_file F")
+    raise FlagError("no prompt given: pass --prompt TEXT or --prompt_file F")
   for i, prompt in enumerate(prompts):
     if not prompt.strip():
-      raise SampleError(f"prompt {i} is empty: prompts need some text")
+      raise FlagError(f"prompt {i} is empty: prompts need some text")
   return prompts
 
 
-def sampling_from_args(args) -> SamplingConfig:
-  """The sampling flags of the CLI (plain and chat), checked once."""
-  sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-  if args.max_new_tokens < 1:
-    raise SampleError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
-  return sampling
+def _load(args) -> tuple[Sampler, Tokenizer]:
+  """The sampler the model flags ask for, on every device of every process (multi-host: the same command runs on
+  every host)."""
+  distributed.maybe_initialize_distributed()
+  return load_sampler(args.checkpoint, placement.decode_mesh(args.mesh), args.dtype, args.quantize, args.step)
+
+
+def _report(sampler: Sampler) -> None:
+  """One line on stderr (process 0), once the request is checked: where the weights went."""
+  if distributed.is_main_process():
+    print(describe_placement(sampler), file=sys.stderr)
 
 
 def _complete_prompts(args) -> None:
   """Each prompt and its continuation; one prompt on a terminal streams."""
-  from llama_jax.chat_repl import TextStream
-
-  sampling = sampling_from_args(args)
+  sampling = _sampling(args)
   prompts = _read_prompts(args)
-  sampler, tokenizer = sampler_from_args(args)
+  sampler, tokenizer = _load(args)
   encoded = [tokenizer.encode(p, bos=True) for p in prompts]
   sampler.validate(encoded, args.max_new_tokens)
-  report_placement(sampler)
+  _report(sampler)
   if args.stream == "yes" or (args.stream == "auto" and sys.stdout.isatty() and len(prompts) == 1):
     printer = TextStream(tokenizer, encoded[0], {tokenizer.eos_id})
     sampler.generate(encoded, args.max_new_tokens, sampling, args.seed, chunk=8, on_tokens=printer)
     sys.stdout.write("\n")
     return
   outputs = sampler.generate(encoded, args.max_new_tokens, sampling, args.seed)
-  if not is_main_process():
+  if not distributed.is_main_process():
     return  # every process of a multi-host run decodes the same batch; one prints it
   for prompt_ids, output in zip(encoded, outputs):
     if len(prompts) > 1:
       print("-" * 40)
     print(tokenizer.decode(prompt_ids + output))
+
+
+def _chat(args) -> None:
+  """--chat: a multi-turn session, from the terminal or one turn per line of stdin."""
+  sampling = _sampling(args)
+  sampler, tokenizer = _load(args)
+  if args.max_new_tokens >= sampler.cfg.max_seq_len:
+    raise FlagError(
+      f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in "
+      f"max_seq_len {sampler.cfg.max_seq_len}; use at most {sampler.cfg.max_seq_len // 2}"
+    )
+  _report(sampler)
+  interactive = sys.stdin.isatty()
+  chat_session(
+    sampler,
+    tokenizer,
+    system=args.system,
+    sampling=sampling,
+    max_new_tokens=args.max_new_tokens,
+    seed=args.seed,
+    turns=interactive_turns() if interactive else sys.stdin,
+    interactive=interactive,
+  )
 
 
 if __name__ == "__main__":

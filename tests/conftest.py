@@ -52,7 +52,8 @@ needs_meta_tokenizer = pytest.mark.usefixtures("meta_tokenizer_path")
 def small_tokenizer(tmp_path_factory):
   """A 512-token BPE tokenizer trained once on two short texts (seconds)."""
   require_shakespeare()
-  from llama_jax import data, tokenizer
+  from llama_jax.data import sources as data
+  from llama_jax.data import tokenizer
 
   out = tmp_path_factory.mktemp("tokenizer")
   corpus = out / "corpus.txt"

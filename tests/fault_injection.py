@@ -21,8 +21,9 @@ import jax
 import numpy as np
 from orbax.checkpoint._src.path import atomicity
 
-from llama_jax import train
-from llama_jax.loop import Hook
+from llama_jax import train as train_lib
+from llama_jax.training import trainer
+from llama_jax.training.loop import Hook
 
 COMMIT_TIMEOUT_S = 300
 
@@ -77,7 +78,7 @@ class TerminateAfterStep(Hook):
 def poison_steps(first: int, count: int) -> None:
   """Every train step gets per-token weights (1, which changes nothing: the same compiled step throughout), NaN for
   steps first .. first+count-1 (counted from the first step this process runs)."""
-  original = train.Trainer.train_step
+  original = trainer.Trainer.train_step
   steps = itertools.count(1)
 
   def train_step(self, state, batch):
@@ -88,7 +89,7 @@ def poison_steps(first: int, count: int) -> None:
     )
     return original(self, state, {**batch, "weights": weights})
 
-  train.Trainer.train_step = train_step
+  trainer.Trainer.train_step = train_step
 
 
 HOOKS = {"sigkill": KillAfterSave, "sigterm": TerminateAfterStep}
@@ -98,6 +99,6 @@ if __name__ == "__main__":
   if mode == "nan":
     first, _, count = step.partition(":")
     poison_steps(int(first), int(count or 1))
-    train.main([sys.argv[0], *train_flags])
+    train_lib.main([sys.argv[0], *train_flags])
   else:
-    train.main([sys.argv[0], *train_flags], hooks=[HOOKS[mode](int(step))])
+    train_lib.main([sys.argv[0], *train_flags], hooks=[HOOKS[mode](int(step))])

@@ -6,12 +6,14 @@ import numpy as np
 import torch
 import transformers
 
-from llama_jax import convert
-from llama_jax.config import ModelConfig
+from llama_jax.core.model_config import ModelConfig
+from llama_jax.interop import hf as hf_lib
+from llama_jax.interop import hf_config as hf_config_lib
+from llama_jax.model import lora as lora_lib
 
 
 def hf_config(cfg: ModelConfig) -> transformers.LlamaConfig:
-  hf = transformers.LlamaConfig.from_dict(convert.hf_config_from_model_config(cfg))
+  hf = transformers.LlamaConfig.from_dict(hf_config_lib.hf_config_from_model_config(cfg))
   hf._attn_implementation = "eager"  # the plain softmax(QKᵀ)V reference
   return hf
 
@@ -32,4 +34,21 @@ def hf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
 
 
 def params_of(model: transformers.LlamaForCausalLM, cfg: ModelConfig):
-  return convert.params_from_hf(hf_tensors(model), cfg)
+  return hf_lib.params_from_hf(hf_tensors(model), cfg)
+
+
+def adapters_from_peft(tensors, cfg: ModelConfig, lora) -> dict:
+  """Stacked adapters (llama_jax's layout) from peft's tensors: the inverse of ``interop.peft.peft_tensors``, to load
+  peft's own adapters into a llama_jax model."""
+  shapes = lora_lib.weight_shapes(cfg)
+  out: dict = {"layers": {}}
+  for name in lora.targets:
+    group, n_in = lora_lib.TARGETS[name]
+    module = hf_lib.HF_MODULES[name]
+    in_shape, out_shape = shapes[name][:n_in], shapes[name][n_in:]
+    a = np.stack([tensors[f"base_model.model.model.layers.{i}.{module}.lora_A.weight"].T for i in range(cfg.n_layers)])
+    b = np.stack([tensors[f"base_model.model.model.layers.{i}.{module}.lora_B.weight"].T for i in range(cfg.n_layers)])
+    node = out["layers"].setdefault(group, {})
+    node[name + lora_lib.A_SUFFIX] = a.reshape(cfg.n_layers, *in_shape, lora.rank).astype(np.float32)
+    node[name + lora_lib.B_SUFFIX] = b.reshape(cfg.n_layers, lora.rank, *out_shape).astype(np.float32)
+  return out

@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from llama_jax import checkpoint as checkpoint_lib
-from llama_jax import config as config_lib
-from llama_jax import sharding
-from llama_jax.model import Llama
-from llama_jax.train import Trainer
+from llama_jax.checkpoint import params as checkpoint_params
+from llama_jax.core import model_config as model_config_lib
+from llama_jax.model import sharding
+from llama_jax.model.llama import Llama
+from llama_jax.training.trainer import Trainer
 from tests.multidevice.test_training_meshes import BATCHES, MESHES, run_config, run_steps
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 (simulated) devices")
@@ -20,10 +20,10 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-  cfg = config_lib.model_config_from(run_config(MESHES["fsdp8"]))
+  cfg = model_config_lib.model_config_from(run_config(MESHES["fsdp8"]))
   params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(3))))
   directory = str(tmp_path_factory.mktemp("lora_base") / "base")
-  checkpoint_lib.save_params_dir(directory, cfg, jax.tree.map(np.asarray, params))
+  checkpoint_params.save_params_dir(directory, cfg, jax.tree.map(np.asarray, params))
   return directory
 
 
@@ -31,7 +31,7 @@ def lora_trainer(base_dir, mesh, devices=None):
   cfg = run_config(mesh)
   cfg.train.lora.update(rank=4, alpha=8.0)
   cfg.init_from = base_dir
-  trainer = Trainer(config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh, devices))
+  trainer = Trainer(model_config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh, devices))
   trainer.load_frozen(base_dir)
   return trainer
 

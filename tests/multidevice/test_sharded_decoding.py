@@ -12,10 +12,15 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from llama_jax import checkpoint, hlo, inference, sample, sharding
-from llama_jax.config import ModelConfig
-from llama_jax.model import Llama
-from llama_jax.sample import Sampler, SamplingConfig, load_sampler
+from llama_jax import sample
+from llama_jax.analysis import hlo
+from llama_jax.checkpoint import params as checkpoint_params
+from llama_jax.core.model_config import ModelConfig
+from llama_jax.inference import placement as inference
+from llama_jax.inference.sampler import Sampler, load_sampler
+from llama_jax.inference.sampling import SamplingConfig
+from llama_jax.model import sharding
+from llama_jax.model.llama import Llama
 from tests.conftest import ROOT, needs_shakespeare
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 (simulated) devices")
@@ -124,7 +129,7 @@ def test_decoding_is_one_while_loop_call_with_its_all_reduces_inside():
 def checkpoint_dir(tmp_path_factory, small_tokenizer):
   cfg = BASE.replace(vocab_size=512, n_kv_heads=2)
   directory = str(tmp_path_factory.mktemp("ckpt") / "model")
-  checkpoint.save_params_dir(directory, cfg, random_params(cfg, seed=3), tokenizer_path=small_tokenizer)
+  checkpoint_params.save_params_dir(directory, cfg, random_params(cfg, seed=3), tokenizer_path=small_tokenizer)
   return directory
 
 
@@ -178,7 +183,7 @@ def test_cli_decodes_on_a_mesh_like_on_one_device(checkpoint_dir, capsys):
 
 @needs_shakespeare
 def test_evaluate_on_a_mesh_gives_the_single_device_loss(checkpoint_dir):
-  from llama_jax import evaluate
+  from llama_jax.inference import evaluation as evaluate
 
   def loss(mesh):
     args = dict(seq_len=32, batch_size=4, max_batches=2, mesh=inference.decode_mesh(mesh))

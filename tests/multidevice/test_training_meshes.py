@@ -5,11 +5,12 @@ import jax
 import numpy as np
 import pytest
 
-from llama_jax import checkpoint as checkpoint_lib
-from llama_jax import config as config_lib
-from llama_jax import plan as plan_lib
-from llama_jax import sharding
-from llama_jax.train import Trainer
+from llama_jax.analysis import plan as plan_lib
+from llama_jax.checkpoint import train_state as checkpoint_lib
+from llama_jax.core import model_config as model_config_lib
+from llama_jax.core import run_config as run_config_lib
+from llama_jax.model import sharding
+from llama_jax.training.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 (simulated) devices")
 MESHES = {
@@ -23,7 +24,7 @@ STEPS = 5
 
 
 def run_config(mesh: dict, **train):
-  cfg = config_lib.base_run_config()
+  cfg = run_config_lib.base_run_config()
   cfg.model.update(
     vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, multiple_of=32, max_seq_len=64, scan_layers=True
   )
@@ -41,7 +42,7 @@ BATCHES = [
 
 def make_trainer(mesh_cfg, devices=None):
   cfg = run_config(mesh_cfg)
-  return Trainer(config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh, devices))
+  return Trainer(model_config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh, devices))
 
 
 def run_steps(trainer, state, batches):
@@ -128,7 +129,7 @@ def test_bad_meshes_fail_before_compilation_naming_the_numbers():
     match=r"batch of 12 sequences .* not divisible by the 8 batch shards "
     r"\(mesh data=4×fsdp=2\)",
   ):
-    Trainer(config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh))
+    Trainer(model_config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh))
   with pytest.raises(sharding.ShardingError, match="mesh.dcn_data is 2 but the devices form 1 processes"):
     sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1, dcn_data=2))
 
@@ -136,7 +137,7 @@ def test_bad_meshes_fail_before_compilation_naming_the_numbers():
 def test_planner_parameter_bytes_are_params_times_dtype_size_over_shards():
   cfg = run_config(MESHES["fsdp8"])
   result = plan_lib.plan(cfg)
-  model = config_lib.model_config_from(cfg)
+  model = model_config_lib.model_config_from(cfg)
   norms = (2 * model.n_layers + 1) * model.dim  # norm scales are replicated
   assert result.params_bytes == (model.num_params() - norms) * 4 // 8 + norms * 4
   assert result.opt_state_bytes == 2 * result.params_bytes + 2 * 4  # mu, nu (+ two int32 step counts)

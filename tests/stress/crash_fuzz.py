@@ -28,8 +28,8 @@ import time
 import pytest
 
 from tests.conftest import ROOT, needs_shakespeare
+from tests.runs import MICRO, assert_bit_identical, assert_same_batches, final_checkpoint
 from tests.stress.fuzz_child import EVENTS_FD_ENV
-from tests.test_train import MICRO, assert_bit_identical, assert_same_batches, final_checkpoint
 
 pytestmark = needs_shakespeare
 

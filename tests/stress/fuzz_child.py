@@ -6,7 +6,7 @@ fuzzer shares) written with one ``os.write`` to the file descriptor named by CRA
 was written before a kill is still there to be read):
 
   tokenizer begin/end   load_tokenizer_for_run: writing the corpus and training the tokenizer (or loading one)
-  data begin/end        data.prepare: tokenizing the splits into the prepared shards (or finding them prepared)
+  data begin/end        text.prepare: tokenizing the splits into the prepared shards (or finding them prepared)
   restore begin/end N   restoring checkpoint N
   train begin N         the loop starts after step N; ``step at K`` after step K is dispatched and its hooks ran
                         (its evaluation and save begin before it); ``train end K``
@@ -21,7 +21,10 @@ import time
 
 from orbax.checkpoint._src.path import atomicity
 
-from llama_jax import checkpoint, data, loop, run_data, train
+from llama_jax import train
+from llama_jax.checkpoint import train_state
+from llama_jax.data import run_data, text
+from llama_jax.training import loop
 
 EVENTS_FD_ENV = "CRASH_FUZZ_EVENTS_FD"
 
@@ -76,9 +79,9 @@ class ReportSteps(loop.Hook):
 
 def install() -> None:
   around(run_data, "load_tokenizer_for_run", "tokenizer")
-  around(data, "prepare", "data")
-  around(checkpoint.TrainCheckpointer, "restore", "restore", label=lambda self, step, *_: step)
-  around(checkpoint.TrainCheckpointer, "save", "save", label=lambda self, step, *_: step, end=False)
+  around(text, "prepare", "data")
+  around(train_state.TrainCheckpointer, "restore", "restore", label=lambda self, step, *_: step)
+  around(train_state.TrainCheckpointer, "save", "save", label=lambda self, step, *_: step, end=False)
   report_commits()  # a save ends at its commit
   around(loop.EvalHook, "run", "eval", label=lambda self, step, *_: step)
 

@@ -1,0 +1,170 @@
+"""The model's hyper-parameters: ``ModelConfig``, a frozen dataclass built once and checked when built (hashable, so
+safe as a static argument to ``jax.jit``). Modules only ever see it, never the whole run config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from llama_jax.core.checks import ConfigError, check_choice, check_type, did_you_mean
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
+QUANTIZE_MODES = ("none", "int8")
+NORMS = ("rmsnorm", "layernorm", "none")
+NORM_POSITIONS = ("pre", "post")
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the projections LoRA can adapt
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of a LLaMA 2 decoder (Meta's names where they exist)."""
+
+  vocab_size: int = 32000
+  dim: int = 4096
+  n_layers: int = 32
+  n_heads: int = 32
+  n_kv_heads: int | None = None  # None: equal to n_heads (multi-head attention)
+  multiple_of: int = 256  # MLP hidden size is rounded up to a multiple of this
+  ffn_dim_multiplier: float | None = None
+  ffn_hidden_dim: int | None = None  # explicit MLP width (HF `intermediate_size`); overrides the rule above
+  norm_eps: float = 1e-5
+  # rmsnorm (LLaMA) | layernorm (mean and variance, scale only: no bias) | none. Statistics in float32 either way.
+  norm: str = "rmsnorm"
+  # pre: x + f(norm(x)), then a final norm (LLaMA) | post: norm(x + f(x)) (the original Transformer), no final norm
+  norm_position: str = "pre"
+  rope_theta: float = 10000.0
+  rope_scaling: str = "none"  # none | linear | llama3
+  rope_scaling_factor: float = 1.0  # linear and llama3: wavelengths are stretched by this factor
+  rope_low_freq_factor: float = 1.0  # llama3 only
+  rope_high_freq_factor: float = 4.0  # llama3 only
+  rope_original_max_len: int = 8192  # llama3 only: context length the frequencies were trained for
+  max_seq_len: int = 4096
+  tie_embeddings: bool = False
+  dtype: str = "float32"  # compute dtype of matmuls and activations
+  param_dtype: str = "float32"  # storage dtype of parameters and optimizer moments
+  scan_layers: bool = True  # run the stacked layers with lax.scan (False: a Python loop, same numbers)
+  remat: str = "none"  # none | full | dots | dots_no_batch
+  attention: str = "auto"  # auto (by backend) | xla | chunked | cudnn | splash
+  init_std: float = 0.02
+  # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see
+  # quantize.py). For decoding only: made from float weights by quantize.quantize_params; training refuses it.
+  quantize: str = "none"
+
+  def __post_init__(self):
+    if self.n_kv_heads is None:
+      object.__setattr__(self, "n_kv_heads", self.n_heads)
+    for name in ("tie_embeddings", "scan_layers"):
+      check_type(self, "", name)
+    for name in (
+      "vocab_size",
+      "dim",
+      "n_layers",
+      "n_heads",
+      "n_kv_heads",
+      "multiple_of",
+      "max_seq_len",
+      "rope_original_max_len",
+    ):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if self.ffn_hidden_dim is not None and (not isinstance(self.ffn_hidden_dim, int) or self.ffn_hidden_dim <= 0):
+      raise ConfigError(f"ffn_hidden_dim must be a positive integer or None, got {self.ffn_hidden_dim!r}")
+    if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
+      raise ConfigError(f"ffn_dim_multiplier must be > 0 or None, got {self.ffn_dim_multiplier!r}")
+    for name in ("norm_eps", "rope_theta", "rope_scaling_factor", "init_std"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+    if self.dim % self.n_heads:
+      raise ConfigError(f"dim must be divisible by n_heads, got dim={self.dim}, n_heads={self.n_heads}")
+    if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
+      raise ConfigError(f"n_kv_heads must divide n_heads, got n_kv_heads={self.n_kv_heads}, n_heads={self.n_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(
+        f"head_dim = dim / n_heads must be even for rotary embeddings, got {self.head_dim} "
+        f"(dim={self.dim}, n_heads={self.n_heads})"
+      )
+    check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+    check_choice("dtype", self.dtype, DTYPES)
+    check_choice("param_dtype", self.param_dtype, DTYPES)
+    check_choice("remat", self.remat, REMAT_POLICIES)
+    check_choice("attention", self.attention, ATTENTION_IMPLS)
+    check_choice("quantize", self.quantize, QUANTIZE_MODES)
+    check_choice("norm", self.norm, NORMS)
+    check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+    if self.norm == "none" and self.norm_position == "post":
+      raise ConfigError(
+        "norm_position 'post' normalises each residual sum, but norm is 'none'; use norm_position='pre'"
+      )
+    if self.rope_scaling == "llama3":
+      if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        raise ConfigError(
+          "llama3 rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+          f"rope_low_freq_factor={self.rope_low_freq_factor}, "
+          f"rope_high_freq_factor={self.rope_high_freq_factor}"
+        )
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.n_heads
+
+  @property
+  def hidden_dim(self) -> int:
+    """Width of the SwiGLU MLP: Meta's rule 4·dim·2/3, times the multiplier, rounded up to `multiple_of`."""
+    if self.ffn_hidden_dim is not None:
+      return self.ffn_hidden_dim
+    hidden = int(2 * (4 * self.dim) / 3)
+    if self.ffn_dim_multiplier is not None:
+      hidden = int(self.ffn_dim_multiplier * hidden)
+    return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+  def num_params(self) -> int:
+    """Number of weights from the shapes alone (the tests check it against the abstract float model). The same
+    count whatever the storage: an int8 model holds these weights as int8, plus one float32 scale per output channel
+    of each projection and per embedding row, which are not counted."""
+    d, f, h = self.dim, self.hidden_dim, self.head_dim
+    attention = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
+    norm = 0 if self.norm == "none" else d  # one scale per norm; post-norm has no final norm
+    final_norm = norm if self.norm_position == "pre" else 0
+    layer = attention + 3 * d * f + 2 * norm
+    head = 0 if self.tie_embeddings else self.vocab_size * d
+    return self.vocab_size * d + self.n_layers * layer + final_norm + head
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
+    """Builds from a mapping (a ConfigDict's ``model`` field or saved JSON); unknown keys are an error."""
+    values = dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ConfigError(
+        f"unknown model config keys {unknown}{did_you_mean('model', unknown[0], known)}; known keys: {sorted(known)}"
+      )
+    return cls(**values)
+
+
+def model_config_from(run_config: Any) -> ModelConfig:
+  """The ModelConfig of a run config (RunConfig, ConfigDict with a ``model`` field) or of a plain mapping."""
+  model = run_config.model if hasattr(run_config, "model") else run_config
+  if isinstance(model, ModelConfig):
+    return model
+  if hasattr(model, "to_dict"):
+    model = model.to_dict()
+  return ModelConfig.from_dict(model)

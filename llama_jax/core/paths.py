@@ -1,0 +1,108 @@
+"""Where things are: the names of the files a workdir or checkpoint directory holds, and the one way to reach a path
+that may be local or remote (``gs://bucket/run``).
+
+Layout of a checkpoint directory (from training or from ``convert --from_hf``):
+
+    DIR/model_config.json      the ModelConfig (everything needed to rebuild the model)
+    DIR/tokenizer.model        the sentencepiece model, when there is one
+    DIR/run_config.json        the run config, when the directory is a training workdir
+    DIR/lora.json              a LoRA workdir: the adapter settings and the base checkpoint step they adapt
+    DIR/reference.json         a full DPO workdir: the checkpoint step of its frozen reference model
+    DIR/metrics.jsonl          training metrics, one JSON line per logged step (and evaluation)
+    DIR/batches.jsonl          with train.record_batches: each step's batch digest
+    DIR/run.lock               held while a run writes here (checkpoint/workdir_lock.py)
+    DIR/checkpoints/<step>/    orbax CheckpointManager steps, each with its digests.json
+
+Everything written to a workdir goes through ``etils.epath`` (or orbax), which reaches local and remote paths alike.
+What must be local (memory-mapped token shards, a tokenizer being trained, a file read by a library that takes only
+local paths) goes to ``local_dir``, a cache directory named after a remote workdir; ``local_file`` copies one remote
+file there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from etils import epath
+
+CONFIG_FILE = "model_config.json"
+RUN_CONFIG_FILE = "run_config.json"
+TOKENIZER_FILE = "tokenizer.model"
+LORA_FILE = "lora.json"
+REFERENCE_FILE = "reference.json"  # a full (not LoRA) DPO workdir's record of its reference model
+METRICS_FILE = "metrics.jsonl"
+BATCHES_FILE = "batches.jsonl"
+LOCK_FILE = "run.lock"
+STEPS_DIR = "checkpoints"
+DIGESTS_FILE = "digests.json"
+CACHE_ROOT = "~/.cache/llama_jax"
+
+
+def is_remote(path: str) -> bool:
+  return "://" in str(path)
+
+
+def path(directory: str, *names: str) -> epath.Path:
+  """`directory`/`names`... as an epath.Path, which reads and writes local and remote (gs://) paths alike."""
+  return epath.Path(directory).joinpath(*names)
+
+
+def steps_path(directory: str) -> str:
+  """The orbax steps directory of a checkpoint directory: remote paths as they are, local ones made absolute (orbax
+  requires it)."""
+  return os.path.join(directory if is_remote(directory) else os.path.abspath(directory), STEPS_DIR)
+
+
+def step_path(directory: str, step: int) -> epath.Path:
+  return epath.Path(steps_path(directory)) / str(step)
+
+
+def same_dir(recorded: str, given: str) -> bool:
+  """Whether two spellings of a directory are the same directory (remote paths compared as written)."""
+  if is_remote(recorded) or is_remote(given):
+    return recorded.rstrip("/") == given.rstrip("/")
+  return os.path.abspath(recorded) == os.path.abspath(given)
+
+
+def absolute(directory: str) -> str:
+  """A directory as a run records it: local paths absolute, remote ones as written."""
+  return directory if is_remote(directory) else os.path.abspath(directory)
+
+
+def local_dir(workdir: str, name: str) -> str:
+  """`workdir/name` for a local workdir; for a remote one, a directory under ~/.cache/llama_jax named after it."""
+  if not is_remote(workdir):
+    return os.path.join(workdir, name)
+  key = hashlib.sha256(str(workdir).encode()).hexdigest()[:12]
+  return os.path.join(os.path.expanduser(CACHE_ROOT), f"{os.path.basename(str(workdir).rstrip('/'))}-{key}", name)
+
+
+def local_file(file: str) -> str:
+  """A local path holding `file` (copied into the local cache when `file` is remote)."""
+  if not is_remote(file):
+    return file
+  local = os.path.join(local_dir(os.path.dirname(file), "files"), os.path.basename(file))
+  os.makedirs(os.path.dirname(local), exist_ok=True)
+  with open(local, "wb") as f:
+    f.write(epath.Path(file).read_bytes())
+  return local
+
+
+def append_line(file: str, line: str) -> None:
+  """Appends one line to a local or remote (gs://) file; object stores cannot append, so those are rewritten whole
+  (metrics files are small)."""
+  if is_remote(file):
+    target = epath.Path(file)
+    target.write_text((target.read_text() if target.exists() else "") + line + "\n")
+    return
+  with open(file, "a") as f:
+    f.write(line + "\n")
+
+
+def write_atomically(file: epath.Path, content: bytes | str) -> None:
+  """Writes `file` whole under a temporary name, then renames it: a reader never sees half a file."""
+  file = epath.Path(file)
+  tmp = file.parent / (file.name + ".tmp")
+  tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+  tmp.replace(file)

@@ -1,0 +1,374 @@
+"""The run config: what a user writes, and the typed config the code reads.
+
+- A run config file ``configs/<name>.py`` returns an ml_collections ``ConfigDict`` from ``get_config()``, built on
+  ``base_run_config()``; absl's ``config_flags`` applies ``--config.train.lr=1e-3`` overrides to it. That layer is for
+  writing and composing configs (7B = base + sizes), not for checking them.
+- ``RunConfig.from_dict`` turns it into frozen dataclasses, one per section (``ModelConfig``, ``TrainConfig``,
+  ``DataConfig``, ``MeshConfig``), and that is the one place where values are checked: unknown keys (a typo in a
+  file or an override, with the closest valid key), types, ranges and the rules between fields. Every command builds
+  the ``RunConfig`` before it writes anything; the library takes the typed config (or converts a ConfigDict itself).
+
+The defaults live once, in the dataclasses; ``base_run_config()`` is made from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from llama_jax.core.checks import ConfigError, check_choice, check_range, check_type, did_you_mean
+from llama_jax.core.model_config import LORA_TARGETS, ModelConfig
+
+DATA_FORMATS = ("text", "chat", "preference")
+ON_ERROR = ("skip", "stop")
+NONFINITE_POLICIES = ("stop", "skip")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class Section:
+  """A run-config section: frozen fields with types checked by annotation, unknown keys refused by name. A field
+  that is itself a section (``train.lora``) is built from its mapping and checked the same way."""
+
+  SECTION = ""
+
+  def check_types(self) -> None:
+    hints = typing.get_type_hints(type(self))
+    for field in dataclasses.fields(self):
+      sub = hints[field.name]
+      if isinstance(sub, type) and issubclass(sub, Section):
+        value = getattr(self, field.name)
+        if isinstance(value, Mapping) or hasattr(value, "to_dict"):
+          value = sub.from_dict(value.to_dict() if hasattr(value, "to_dict") else value)
+        if not isinstance(value, sub):
+          raise ConfigError(f"{sub.SECTION} must be a section of keys, got {value!r}")
+        object.__setattr__(self, field.name, value)
+      else:
+        check_type(self, self.SECTION, field.name)
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]):
+    values = dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in sorted(values):
+      if key not in known:
+        raise ConfigError(f"unknown run config key {cls.SECTION}.{key}{did_you_mean(cls.SECTION, key, known)}")
+    return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig(Section):
+  """Low-rank adapters (lora.py): each targeted projection W gets A [in, rank] (random) and B [rank, out] (zeros),
+  and computes x·W + (alpha / rank)·(x·A)·B; only A and B train, the base model (init_from) stays frozen."""
+
+  SECTION = "train.lora"
+  rank: int = 0  # 0: no adapters, every parameter trains
+  alpha: float = 16.0
+  targets: tuple[str, ...] = LORA_TARGETS
+
+  def __post_init__(self):
+    self.check_types()
+    check_range("train.lora.rank", self.rank, 0)
+    check_range("train.lora.alpha", self.alpha, 0, low_open=True)
+    unknown = [t for t in self.targets if t not in LORA_TARGETS]
+    if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+      raise ConfigError(
+        f"train.lora.targets must be distinct names from {', '.join(LORA_TARGETS)}; got {self.targets!r}"
+      )
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Section):
+  """Optimisation, cadence and bookkeeping of a training run."""
+
+  SECTION = "train"
+  batch_size: int = 8  # global batch: sequences per optimizer step, over all devices and processes
+  seq_len: int = 256  # tokens per sequence
+  grad_accum: int = 1  # micro-batches per step (lax.scan); batch_size must be divisible by it
+  steps: int = 1000
+  lr: float = 3e-4  # linear warmup to lr, then cosine decay to lr·min_lr_ratio
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9  # AdamW; weight decay on matrices only (not norm scales)
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0  # global gradient-norm clipping (0: off)
+  log_every: int = 10
+  eval_every: int = 200  # 0: no evaluation
+  eval_batches: int = 50  # 0: the whole validation split
+  save_every: int = 200
+  keep: int = 3  # keep the last `keep` checkpoints ...
+  keep_every: int = 0  # ... plus every `keep_every`-th step (a multiple of save_every; 0: none)
+  async_save: bool = True
+  peak_flops_per_device: float = 0.0  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
+  record_batches: bool = False  # append each step's batch digest to batches.jsonl (data provenance, resume checks)
+  profile_steps: tuple[int, ...] = ()  # (start, count): a jax.profiler trace of steps start .. start+count-1
+  # A step whose loss or gradients are not finite is never applied. "stop": the run ends with one line and exit 2,
+  # saving nothing after it; "skip": it is skipped (counted in the log) unless max_skipped_steps follow in a row.
+  on_nonfinite: str = "stop"
+  max_skipped_steps: int = 10
+  dpo_beta: float = 0.1  # data.format "preference": the DPO β (how far the policy may move from the reference)
+  # LoRA fine-tuning of the init_from model (rank 0: off): e.g. --config.train.lora.rank=8.
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+
+  def __post_init__(self):
+    self.check_types()
+    for name in ("batch_size", "seq_len", "grad_accum", "steps", "log_every", "save_every", "keep"):
+      check_range(f"train.{name}", getattr(self, name), 1)
+    for name in ("warmup_steps", "eval_every", "eval_batches", "keep_every"):
+      check_range(f"train.{name}", getattr(self, name), 0)
+    check_range("train.lr", self.lr, 0, low_open=True)
+    check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+    check_range("train.b1", self.b1, 0, 1, high_open=True)
+    check_range("train.b2", self.b2, 0, 1, high_open=True)
+    check_range("train.eps", self.eps, 0, low_open=True)
+    for name in ("weight_decay", "clip_norm", "peak_flops_per_device"):
+      check_range(f"train.{name}", getattr(self, name), 0)
+    check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+    check_range("train.max_skipped_steps", self.max_skipped_steps, 1)
+    check_range("train.dpo_beta", self.dpo_beta, 0, low_open=True)
+    if self.batch_size % self.grad_accum:
+      raise ConfigError(f"train.batch_size {self.batch_size} is not divisible by train.grad_accum {self.grad_accum}")
+    if self.keep_every % self.save_every:
+      raise ConfigError(
+        f"train.keep_every {self.keep_every} must be a multiple of train.save_every "
+        f"{self.save_every} (only saved steps can be kept), or 0"
+      )
+    if self.profile_steps:
+      if len(self.profile_steps) != 2 or self.profile_steps[0] < 1 or self.profile_steps[1] < 1:
+        raise ConfigError(
+          f"train.profile_steps must be (start, count) with start ≥ 1 and count ≥ 1, or () for no "
+          f"profile; got {self.profile_steps!r}"
+        )
+      if sum(self.profile_steps) - 1 > self.steps:
+        raise ConfigError(
+          f"train.profile_steps {self.profile_steps!r} ends at step {sum(self.profile_steps) - 1}, "
+          f"past train.steps {self.steps}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+  """Where the tokens come from and how they are split."""
+
+  SECTION = "data"
+  sources: tuple[str, ...] = ("shakespeare",)  # files, directories, globs, *.jsonl, "shakespeare[:play,play]" ...
+  val_sources: tuple[str, ...] = ()  # documents for validation (removed from training); empty: val_fraction
+  val_fraction: float = 0.0  # a seeded hash split of documents (text) or conversations (chat)
+  text_field: str = "text"  # JSONL field holding the document text
+  tokenizer: str = ""  # a sentencepiece .model to use; empty: train one on the training documents
+  vocab_size: int = 4096  # for a trained tokenizer
+  prepared_dir: str = ""  # where tokenized shards go; empty: <workdir>/data
+  format: str = "text"  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
+  # | preference: prompt + chosen/rejected responses for DPO (preference_data.py)
+  on_error: str = "skip"  # chat, preference: a bad line is skipped and counted ("skip") or stops the run ("stop")
+  # Reused shards are always size-checked; True also checks each one's sha256 and all its token ids (a full read).
+  verify: bool = False
+
+  def __post_init__(self):
+    self.check_types()
+    if not self.sources or not all(s.strip() for s in self.sources):
+      raise ConfigError(f"data.sources must name at least one source, none empty; got {self.sources!r}")
+    check_range("data.val_fraction", self.val_fraction, 0, 1, high_open=True)
+    check_range("data.vocab_size", self.vocab_size, 1)
+    if not self.text_field:
+      raise ConfigError("data.text_field must name a JSONL field, got ''")
+    check_choice("data.format", self.format, DATA_FORMATS)
+    check_choice("data.on_error", self.on_error, ON_ERROR)
+    if self.val_sources and self.val_fraction:
+      raise ConfigError(
+        f"set data.val_sources or data.val_fraction, not both (got {self.val_sources!r} and {self.val_fraction})"
+      )
+    if self.val_sources and self.format != "text":
+      raise ConfigError(
+        f"data.val_sources {self.val_sources!r} is not used with data.format={self.format!r}: conversations "
+        f"and pairs are held out by data.val_fraction"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+  """Devices as data × fsdp × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the data axis over
+  that many slices (multi-slice TPU, or GPU hosts): fsdp and tensor then stay within a slice."""
+
+  SECTION = "mesh"
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+  dcn_data: int = 1
+
+  def __post_init__(self):
+    self.check_types()
+    sizes = [getattr(self, axis) for axis in MESH_AXES]
+    for axis, size in zip(MESH_AXES, sizes):
+      if size == 0 or size < -1:
+        raise ConfigError(f"mesh.{axis} must be a positive integer or -1 (the rest of the devices), got {size}")
+    if sizes.count(-1) > 1:
+      raise ConfigError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
+    check_range("mesh.dcn_data", self.dcn_data, 1)
+
+  def to_dict(self) -> dict[str, int]:
+    return dataclasses.asdict(self)
+
+
+# Logical axis → mesh axis rules. Parameters and activations use different logical names so that the batch axis
+# (sharded over data and fsdp) and the fsdp-sharded parameter axis never claim the same mesh axis in one array.
+DEFAULT_LOGICAL_AXIS_RULES = (
+  # parameters
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("norm", None),
+  ("layers", None),
+  # activations
+  ("activation_batch", ("data", "fsdp")),
+  ("activation_length", None),
+  ("activation_embed", None),
+  ("activation_heads", "tensor"),
+  ("activation_kv_heads", "tensor"),
+  ("activation_mlp", "tensor"),
+  ("activation_vocab", "tensor"),
+)
+
+
+def _logical_axis_rules(rules: Any) -> tuple:
+  """Rules as a tuple of (logical name, mesh axis | None | tuple of mesh axes), mesh axes checked by name."""
+  out = []
+  for rule in rules if isinstance(rules, (tuple, list)) else [rules]:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(
+        f"logical_axis_rules entries must be (logical name, mesh axis or None or tuple of mesh axes), got {rule!r}"
+      )
+    target = rule[1]
+    axes = () if target is None else tuple(target) if isinstance(target, (tuple, list)) else (target,)
+    for axis in axes:
+      if axis not in MESH_AXES:
+        raise ConfigError(
+          f"logical_axis_rules maps {rule[0]!r} to unknown mesh axis {axis!r}; the mesh axes are {', '.join(MESH_AXES)}"
+        )
+    out.append((rule[0], tuple(target) if isinstance(target, (tuple, list)) else target))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything about a run, typed and checked: build it with ``run_config_from`` (from a ConfigDict or JSON)."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  logical_axis_rules: tuple = DEFAULT_LOGICAL_AXIS_RULES
+  # A checkpoint directory whose parameters (only: the optimizer starts fresh) initialise a new run, e.g. for SFT.
+  init_from: str = ""
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("init_from", "seed"):
+      check_type(self, "", name)
+    check_range("seed", self.seed, 0)
+    object.__setattr__(self, "logical_axis_rules", _logical_axis_rules(self.logical_axis_rules))
+    if self.model.quantize != "none":
+      raise ConfigError(
+        "model.quantize is for decoding (sample/evaluate --quantize int8); training needs float weights"
+      )
+    if self.data.format == "preference" and not self.init_from:
+      raise ConfigError(
+        "data.format='preference' (DPO) tunes a trained model against itself: set init_from to its checkpoint "
+        "directory, e.g. the SFT run's workdir"
+      )
+    if self.train.lora.rank:
+      if not self.init_from:
+        raise ConfigError(
+          f"train.lora.rank {self.train.lora.rank} adapts a trained model: set init_from to its checkpoint "
+          f"directory (or train.lora.rank=0 to train every parameter)"
+        )
+      if self.train.lora.rank > self.model.dim:
+        raise ConfigError(
+          f"train.lora.rank must be in [1, model.dim={self.model.dim}] (a rank past the width adds nothing), "
+          f"got {self.train.lora.rank}"
+        )
+    if self.train.seq_len > self.model.max_seq_len:
+      raise ConfigError(
+        f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "
+        f"{self.model.max_seq_len}; raise --config.model.max_seq_len or lower train.seq_len"
+      )
+
+  SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "mesh": MeshConfig}
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> RunConfig:
+    """From a ConfigDict's ``to_dict()`` or a saved run_config.json; every unknown key is refused by name."""
+    values = dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in sorted(values):
+      if key not in known:
+        raise ConfigError(f"unknown run config key {key}{did_you_mean('', key, known)}")
+    for name, section in cls.SECTIONS.items():
+      if name in values:
+        if not isinstance(values[name], Mapping):
+          raise ConfigError(f"{name} must be a section of keys, got {values[name]!r}")
+        values[name] = section.from_dict(values[name])
+    return cls(**values)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  def replace(self, **sections: Any) -> RunConfig:
+    """A copy with whole sections or fields replaced, checked again: ``replace(train=dict(steps=5))``."""
+    changes = {
+      k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, Mapping) else v for k, v in sections.items()
+    }
+    return dataclasses.replace(self, **changes)
+
+
+def run_config_from(config: Any) -> RunConfig:
+  """The typed, checked RunConfig of a RunConfig, an ml_collections ConfigDict or a plain mapping."""
+  if isinstance(config, RunConfig):
+    return config
+  return RunConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
+
+
+def base_run_config():
+  """Defaults that every ``configs/<name>.py`` starts from and then overrides: the dataclasses' defaults as a
+  ConfigDict (the layer that config files write and ``--config.x.y=`` overrides change)."""
+  defaults = RunConfig()
+  cfg = ml_collections.ConfigDict()
+  for name in RunConfig.SECTIONS:
+    cfg[name] = ml_collections.ConfigDict(dataclasses.asdict(getattr(defaults, name)))
+  # Fields whose default is None need a declared type, or an override could not set them.
+  cfg.model.n_kv_heads = ml_collections.FieldReference(None, field_type=int)
+  cfg.model.ffn_dim_multiplier = ml_collections.FieldReference(None, field_type=float)
+  cfg.model.ffn_hidden_dim = ml_collections.FieldReference(None, field_type=int)
+  cfg.logical_axis_rules = defaults.logical_axis_rules
+  cfg.init_from = defaults.init_from
+  cfg.seed = defaults.seed
+  return cfg
+
+
+def load_run_config(path: str):
+  """Imports ``configs/<name>.py`` and returns its ``get_config()`` ConfigDict (what absl's config_flags does, for
+  library use and for config files built on other config files)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file not found: {path!r}")
+  spec = importlib.util.spec_from_file_location(f"llama_jax_config_{os.path.basename(path)[:-3]}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()

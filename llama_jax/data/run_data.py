@@ -1,0 +1,152 @@
+"""The data of one training run: its tokenizer, its prepared splits, and the batches the loop reads, for pretraining
+text (``data.format="text"``), conversations (``"chat"``) or preference pairs (``"preference"``), from the checked
+``RunConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from llama_jax.core import distributed, paths
+from llama_jax.core.run_config import RunConfig
+from llama_jax.data import preference, sft, sources, text
+from llama_jax.data.prepared import PackedRows
+from llama_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+
+@dataclasses.dataclass
+class RunData:
+  """What the loop needs from the data, for either format: train batches, validation examples, summary counts."""
+
+  dataset: Any
+  val_examples: Any
+  summary: str
+
+
+def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[[], Iterator[str]]) -> Tokenizer:
+  """The configured tokenizer, the workdir's (on resume), init_from's, or one trained on the training texts."""
+  if run_config.data.tokenizer:
+    return Tokenizer(run_config.data.tokenizer)
+  for directory in (workdir, run_config.init_from):
+    if directory and paths.path(directory, paths.TOKENIZER_FILE).is_file():
+      return Tokenizer(paths.local_file(os.path.join(directory, paths.TOKENIZER_FILE)))
+  if jax.process_count() > 1:
+    raise sources.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
+  corpus_dir = paths.local_dir(workdir, "tokenizer")
+  os.makedirs(corpus_dir, exist_ok=True)
+  corpus = os.path.join(corpus_dir, "corpus.txt")
+  has_text = False
+  with open(corpus, "w", encoding="utf-8") as f:
+    for line in texts():
+      has_text = has_text or bool(line.strip())
+      f.write(line + "\n")
+  if not has_text:
+    os.remove(corpus)
+    raise sources.DataError(f"the training sources {list(run_config.data.sources)} contain no text")
+  path = train_tokenizer([corpus], run_config.data.vocab_size, corpus_dir, overwrite=True)
+  os.remove(corpus)
+  return Tokenizer(path)
+
+
+def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunData]:
+  """Tokenizer and prepared data of a run. Process 0 prepares first; the others then find its cache where the disk
+  is shared, or prepare their own copy."""
+  data_cfg = run_config.data
+  prepared_dir = data_cfg.prepared_dir or paths.local_dir(workdir, "data")
+  texts, prepare = _FORMATS[data_cfg.format]
+  with distributed.main_process_first("data prepared by process 0"):
+    tokenizer = load_tokenizer_for_run(run_config, workdir, lambda: texts(run_config))
+    return tokenizer, prepare(run_config, tokenizer, prepared_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per format: the training texts a tokenizer would be trained on, and the prepared data. Each looks its library
+# functions up when it runs (tests wrap them to observe a run).
+
+
+def _document_texts(run_config: RunConfig) -> Iterator[str]:
+  # Resolved only to train a tokenizer: missing sources are left to `prepare`, which names a damaged shard first.
+  data_cfg = run_config.data
+  train_docs, _ = sources.split_documents(
+    data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
+  )
+  return (sources.read_document(ref, data_cfg.text_field)[0] for ref in train_docs)
+
+
+def _text_data(run_config: RunConfig, tokenizer: Tokenizer, prepared_dir: str) -> RunData:
+  data_cfg, train_cfg = run_config.data, run_config.train
+  meta = text.prepare(
+    data_cfg.sources,
+    data_cfg.val_sources,
+    tokenizer,
+    prepared_dir,
+    val_fraction=data_cfg.val_fraction,
+    seed=run_config.seed,
+    text_field=data_cfg.text_field,
+    verify=data_cfg.verify,
+  )
+  dataset = text.train_dataset(
+    prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()
+  )
+  summary = f"train {meta['train']['tokens']:,} tokens, val {meta['val']['tokens']:,} tokens"
+  return RunData(dataset, text.validation_windows(prepared_dir, train_cfg.seq_len), summary)
+
+
+def _conversation_texts(run_config: RunConfig) -> Iterator[str]:
+  for _, messages in sft.load_conversations(run_config.data.sources, "skip")[0]:
+    yield from (m["content"] for m in messages)
+
+
+def _pair_texts(run_config: RunConfig) -> Iterator[str]:
+  for pair in preference.load_pairs(run_config.data.sources, "skip")[0]:
+    yield from (m["content"] for m in pair.messages)
+    yield from (pair.chosen, pair.rejected)
+
+
+def _row_data(run_config: RunConfig, tokenizer: Tokenizer, prepared_dir: str) -> RunData:
+  """Chat (SFT) or preference rows: prepared the same way, batched the same way, summarised each its own way."""
+  data_cfg, train_cfg, is_chat = run_config.data, run_config.train, run_config.data.format == "chat"
+  prepare, dataset_of = (
+    (sft.prepare_sft, sft.sft_train_dataset)
+    if is_chat
+    else (preference.prepare_preference, preference.preference_train_dataset)
+  )
+  meta = prepare(
+    data_cfg.sources,
+    tokenizer,
+    prepared_dir,
+    seq_len=train_cfg.seq_len,
+    val_fraction=data_cfg.val_fraction,
+    seed=run_config.seed,
+    on_error=data_cfg.on_error,
+    verify=data_cfg.verify,
+  )
+  dataset = dataset_of(prepared_dir, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count())
+  splits = (meta["train"], meta["val"])
+  if is_chat:
+    summary = (
+      f"conversations: train {meta['train']['conversations']:,} ({meta['train']['rows']:,} packed rows), "
+      f"val {meta['val']['conversations']:,}; skipped {meta['skipped']:,} bad, "
+      f"{sum(s['dropped_exchanges'] for s in splits):,} old exchanges dropped and "
+      f"{sum(s['truncated_prompts'] for s in splits):,} prompts cut to fit, "
+      f"{sum(s['too_long'] for s in splits):,} too long"
+    )
+  else:
+    summary = (
+      f"preference pairs: train {meta['train']['pairs']:,}, val {meta['val']['pairs']:,} (one pair per row, "
+      f"{meta['train']['fill']:.0%} of positions used); skipped {meta['skipped']:,} bad ({meta['too_long']:,} too long "
+      f"for train.seq_len), {sum(s['dropped_exchanges'] for s in splits):,} old exchanges dropped to fit"
+    )
+  keys = sft.SFT_KEYS if is_chat else preference.PREFERENCE_KEYS
+  return RunData(dataset, PackedRows(prepared_dir, "val", keys), summary)
+
+
+_FORMATS = {
+  "text": (_document_texts, _text_data),
+  "chat": (_conversation_texts, _row_data),
+  "preference": (_pair_texts, _row_data),
+}

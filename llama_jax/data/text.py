@@ -1,0 +1,197 @@
+"""Pretraining text: documents tokenized once into on-disk token shards, then read as windows of seq_len + 1 tokens.
+
+``prepare`` writes ``train.bin`` / ``val.bin`` (each document as bos + tokens + eos, concatenated; uint16 when the
+vocabulary fits) and ``meta.json`` (the prepared-data cache of prepared.py: counts, each shard's size and sha256, a
+fingerprint of sources + tokenizer), so a second run with the same inputs reuses the files. Documents named by the
+validation sources are removed from training: the split is by document.
+
+Batches: the token stream is cut into windows of seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]),
+shuffled by seed (a new permutation each epoch), and split across JAX processes so each reads a disjoint part of every
+global batch (batches.py). The iterator state is one integer, saved with each checkpoint for an exact resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from llama_jax.data.batches import process_batches
+from llama_jax.data.prepared import FORMAT_VERSION, cannot_prepare, load_meta, prepared_meta, size_problem, write_meta
+from llama_jax.data.sources import DataError, DocumentRef, read_document, split_documents
+
+_log = logging.getLogger(__name__)
+
+
+def _fingerprint(train: Sequence[DocumentRef], val: Sequence[DocumentRef], tokenizer, text_field: str) -> str:
+  digest = hashlib.sha256()
+  digest.update(json.dumps([FORMAT_VERSION, text_field]).encode())
+  digest.update(hashlib.sha256(tokenizer.serialized()).digest())
+  for split, refs in (("train", train), ("val", val)):
+    digest.update(split.encode())
+    for path in sorted({r.path for r in refs}):
+      stat = os.stat(path)
+      digest.update(json.dumps([path, stat.st_size, stat.st_mtime_ns]).encode())
+    digest.update(json.dumps([(r.doc_id, r.line) for r in refs]).encode())
+  return digest.hexdigest()
+
+
+def _write_split(
+  refs: Sequence[DocumentRef], tokenizer, path: str, text_field: str, dtype
+) -> tuple[dict[str, int], dict[str, Any]]:
+  """(counts, the shard's record for meta.json): the digest is taken of the bytes as they are written, so preparing
+  never reads a shard back."""
+  counts = dict(documents=0, tokens=0, bytes=0, replaced_bytes=0, empty_documents=0)
+  tmp, digest, size = path + ".tmp", hashlib.sha256(), 0
+  with open(tmp, "wb") as out:
+    batch: list[str] = []
+
+    def flush():
+      nonlocal size
+      for ids in tokenizer.encode_batch(batch):
+        chunk = np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype).tobytes()
+        out.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+        counts["tokens"] += len(ids) + 2
+      batch.clear()
+
+    for ref in refs:
+      text, replaced = read_document(ref, text_field)
+      counts["replaced_bytes"] += replaced
+      if not text.strip():
+        counts["empty_documents"] += 1
+        continue
+      counts["documents"] += 1
+      counts["bytes"] += len(text.encode("utf-8"))
+      batch.append(text)
+      if len(batch) >= 256:
+        flush()
+    flush()
+  os.replace(tmp, path)
+  return counts, dict(bytes=size, sha256=digest.hexdigest(), token_ids=True)
+
+
+def prepare(
+  sources: Sequence[str],
+  val_sources: Sequence[str],
+  tokenizer,
+  out_dir: str,
+  *,
+  val_fraction: float = 0.0,
+  seed: int = 0,
+  text_field: str = "text",
+  verify: bool = False,
+) -> dict[str, Any]:
+  """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when inputs are unchanged and
+  the shards pass `check_shards`, with their digests too when `verify`)."""
+  try:
+    train, val = split_documents(sources, val_sources, val_fraction, seed)
+  except DataError as e:
+    raise cannot_prepare(out_dir, e, verify) from e
+  fingerprint = _fingerprint(train, val, tokenizer, text_field)
+  cached = prepared_meta(out_dir, fingerprint, verify)
+  if cached is not None:
+    return cached
+  os.makedirs(out_dir, exist_ok=True)
+  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+  meta = dict(
+    format=FORMAT_VERSION,
+    fingerprint=fingerprint,
+    dtype=np.dtype(dtype).name,
+    vocab_size=tokenizer.vocab_size,
+    bos_id=tokenizer.bos_id,
+    eos_id=tokenizer.eos_id,
+    files={},
+  )
+  for split, refs in (("train", train), ("val", val)):
+    counts, meta["files"][f"{split}.bin"] = _write_split(
+      refs, tokenizer, os.path.join(out_dir, f"{split}.bin"), text_field, dtype
+    )
+    if split == "train" and counts["documents"] == 0:
+      raise DataError(f"the training sources {list(sources)} contain no text")
+    meta[split] = counts
+  if meta["train"]["replaced_bytes"] or meta["val"]["replaced_bytes"]:
+    _log.warning(
+      "replaced %d invalid UTF-8 bytes with U+FFFD", meta["train"]["replaced_bytes"] + meta["val"]["replaced_bytes"]
+    )
+  write_meta(out_dir, meta)
+  return meta
+
+
+class TokenWindows:
+  """Random access to windows of seq_len + 1 tokens of a token stream (a grain data source). With `vocab_size`, each
+  window's ids are checked as it is read (a max over seq_len + 1 ids): the guard for shards too large to scan at
+  start-up."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int = 0, name: str = "the token stream"):
+    self.tokens, self.seq_len, self.vocab_size, self.name = tokens, seq_len, vocab_size, name
+
+  @classmethod
+  def open(
+    cls, path: str, seq_len: int, dtype: str, record: dict[str, Any] | None = None, vocab_size: int = 0
+  ) -> TokenWindows:
+    """Memory-maps a prepared split: nothing is read until a window is. Its size is checked against its meta.json
+    `record` first (a stat), so a shard cut short never trains on part of the data under the recorded counts."""
+    problem = size_problem(path, record["bytes"]) if record else None
+    size = os.path.getsize(path) if problem is None else 0
+    if size % np.dtype(dtype).itemsize:
+      problem = f"{path} has {size:,} bytes, not a whole number of {dtype} tokens (cut short or overwritten)"
+    if problem is not None:
+      raise DataError(f"{problem}; prepare it again (rerun with its sources) or delete {os.path.dirname(path)}")
+    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    return cls(tokens, seq_len, vocab_size, path)
+
+  def __len__(self) -> int:
+    return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    start = index * self.seq_len
+    window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+    low, high = (int(window.min()), int(window.max())) if self.vocab_size and window.size else (0, 0)
+    if low < 0 or high >= max(self.vocab_size, 1):
+      bad = low if low < 0 else high
+      raise DataError(
+        f"{self.name}: window {index} holds token id {bad}, outside the vocabulary of {self.vocab_size} (its bytes "
+        f"changed); rerun with --config.data.verify=True to check every shard and prepare it again"
+      )
+    return {"inputs": window[:-1], "targets": window[1:]}
+
+
+def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str = "text") -> np.ndarray:
+  """The documents as one in-memory token stream (bos + tokens + eos each), for evaluating files not prepared."""
+  texts = [read_document(ref, text_field)[0] for ref in refs]
+  ids = tokenizer.encode_batch([t for t in texts if t.strip()])
+  return np.asarray([t for doc in ids for t in (tokenizer.bos_id, *doc, tokenizer.eos_id)], dtype=np.int32)
+
+
+def open_split(prepared_dir: str, split: str, seq_len: int) -> TokenWindows:
+  """The windows of a prepared split ("train" or "val"), size-checked, with ids checked as they are read."""
+  meta, name = load_meta(prepared_dir), f"{split}.bin"
+  record = meta.get("files", {}).get(name)
+  return TokenWindows.open(os.path.join(prepared_dir, name), seq_len, meta["dtype"], record, meta.get("vocab_size", 0))
+
+
+def train_dataset(
+  prepared_dir: str, seq_len: int, global_batch: int, seed: int, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
+  """Endless shuffled batches of this process's share of each global batch: {"inputs", "targets"} [b, seq_len]."""
+  meta = load_meta(prepared_dir)
+  windows = open_split(prepared_dir, "train", seq_len)
+  if len(windows) < global_batch:
+    raise DataError(
+      f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
+      f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
+      f"train.batch_size / train.seq_len"
+    )
+  return process_batches(windows, global_batch, seed, process_index, process_count)
+
+
+def validation_windows(prepared_dir: str, seq_len: int) -> TokenWindows:
+  return open_split(prepared_dir, "val", seq_len)

@@ -1,0 +1,378 @@
+"""Sentencepiece tokenizer: a thin wrapper for encoding and decoding, and lossless BPE training (the command is
+``python -m llama_jax.tokenizer``).
+
+Any sentencepiece ``.model`` loads, Meta's LLaMA 2 file included. Trained tokenizers follow Meta's layout (BPE with
+byte fallback, unk=0, bos=1, eos=2, no pad) with settings under which ``decode(encode(s)) == s`` for any text, with
+one exception sentencepiece imposes on every model: a literal U+2581 "▁" in the input decodes as a space, because
+sentencepiece uses that character to stand for spaces.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import glob
+import io
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+from llama_jax.core.errors import LlamaJaxError
+
+logger = logging.getLogger(__name__)
+
+_SPACE = "\u2581"  # "▁": sentencepiece's stand-in for a space inside pieces
+
+
+class TokenizerError(LlamaJaxError, ValueError):
+  """Bad tokenizer input; the message names the file or value and, where there is one, the fix."""
+
+
+class Tokenizer:
+  """Encodes text to token ids and back with a sentencepiece model."""
+
+  def __init__(self, model_path: str):
+    if not os.path.isfile(model_path):
+      raise TokenizerError(f"tokenizer model {model_path!r} does not exist")
+    try:
+      self._sp = spm.SentencePieceProcessor(model_file=model_path)
+    except (RuntimeError, OSError) as e:
+      raise TokenizerError(f"{model_path!r} is not a sentencepiece model: {e}") from e
+    self.path = model_path
+
+  def __repr__(self) -> str:
+    return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.vocab_size()
+
+  @property
+  def bos_id(self) -> int:
+    return self._sp.bos_id()
+
+  @property
+  def eos_id(self) -> int:
+    return self._sp.eos_id()
+
+  @property
+  def pad_id(self) -> int:
+    """-1 when the model has no pad token (LLaMA 2 has none)."""
+    return self._sp.pad_id()
+
+  @property
+  def unk_id(self) -> int:
+    return self._sp.unk_id()
+
+  def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    if not isinstance(text, str):
+      raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+    for wanted, name, token_id in ((bos, "bos", self.bos_id), (eos, "eos", self.eos_id)):
+      if wanted and token_id < 0:
+        raise TokenizerError(f"{self.path!r} has no {name} token; call encode with {name}=False")
+    return self._sp.encode(text, add_bos=bos, add_eos=eos)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """Encodes many texts on sentencepiece's thread pool, without bos/eos."""
+    if isinstance(texts, str):
+      raise TokenizerError("encode_batch expects a list of str, got one str; use encode")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+      if not isinstance(text, str):
+        raise TokenizerError(f"encode_batch expects a list of str; item {i} is a {type(text).__name__}")
+    return self._sp.encode(texts, add_bos=False, add_eos=False)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of a 1-d sequence of ids (list or array); control ids (bos, eos, pad) decode to nothing."""
+    ids_array = np.asarray(ids if hasattr(ids, "shape") else list(ids))
+    if ids_array.size == 0:
+      return ""
+    if ids_array.ndim != 1 or not np.issubdtype(ids_array.dtype, np.integer):
+      raise TokenizerError(
+        f"decode expects a 1-d sequence of integer ids, got shape {ids_array.shape} of {ids_array.dtype}"
+      )
+    bad = ids_array[(ids_array < 0) | (ids_array >= self.vocab_size)]
+    if bad.size:
+      raise TokenizerError(f"token id {int(bad[0])} is out of range [0, {self.vocab_size})")
+    return self._sp.decode(ids_array.tolist())
+
+  def id_to_piece(self, token_id: int) -> str:
+    """The vocabulary entry of one id ("▁the", "<0x0A>", "</s>")."""
+    return self._sp.id_to_piece(int(token_id))
+
+  def token_byte_lengths(self) -> np.ndarray:
+    """[vocab_size] int32: how many UTF-8 bytes of decoded text each token stands for, to turn a loss per token
+    into bits per byte exactly.
+
+    Byte-fallback pieces ``<0xNN>`` stand for 1 byte; control and unknown pieces (bos, eos, pad, unk) for 0; any other
+    piece for its text with "▁" read as a space. The dummy-prefix space that sentencepiece puts before every
+    non-empty text counts as a byte: decode drops it, so summed over ``encode(s)`` the table gives
+    ``len(s.encode("utf-8")) + 1`` for every non-empty ``s`` (a literal "▁" in ``s`` counts 1 byte, not 3).
+    """
+    lengths = np.zeros(self.vocab_size, dtype=np.int32)
+    for token_id in range(self.vocab_size):
+      if self._sp.is_control(token_id) or self._sp.is_unknown(token_id):
+        continue
+      if self._sp.is_byte(token_id):
+        lengths[token_id] = 1
+      else:
+        lengths[token_id] = len(self._sp.id_to_piece(token_id).replace(_SPACE, " ").encode("utf-8"))
+    return lengths
+
+  def serialized(self) -> bytes:
+    """The model proto, byte for byte what a ``.model`` file holds (to copy into checkpoint directories)."""
+    return self._sp.serialized_model_proto()
+
+
+def decode_utf8_counting(data: bytes) -> tuple[str, int]:
+  """``data.decode("utf-8", errors="replace")`` and the number of bytes that were replaced with U+FFFD.
+
+  The count is of bytes, not of U+FFFD characters: a truncated 3-byte sequence is 2 bytes but one U+FFFD, and the text
+  may hold U+FFFD of its own.
+  """
+  parts, replaced, start = [], 0, 0
+  view = memoryview(data)  # slices without copying, so many bad bytes in one long line stay linear
+  while start < len(data):
+    try:
+      parts.append(codecs.utf_8_decode(view[start:], "strict", True)[0])
+      break
+    except UnicodeDecodeError as e:
+      # The strict error carries the same span the "replace" handler would replace.
+      parts.append(codecs.utf_8_decode(view[start : start + e.start], "strict", True)[0])
+      parts.append("\ufffd")
+      replaced += e.end - e.start
+      start += e.end
+  return "".join(parts), replaced
+
+
+class CorpusReader:
+  """Iterates the non-empty lines of text files (line endings dropped), read as UTF-8 with undecodable bytes replaced
+  by U+FFFD and counted, so that a stray binary or Latin-1 file shows up in the counts instead of failing a run."""
+
+  def __init__(self, paths: Sequence[str]):
+    self.paths = _check_input_files(paths)
+    self.lines = 0
+    self.text_bytes = 0  # UTF-8 bytes of the lines as yielded (after replacement)
+    self.replaced_bytes = 0
+    self.replaced_by_file: dict[str, int] = {}
+
+  def __iter__(self) -> Iterator[str]:
+    for path in self.paths:
+      replaced_here = 0
+      try:
+        with open(path, "rb") as f:
+          for raw in f:
+            line, replaced = decode_utf8_counting(raw.rstrip(b"\n").rstrip(b"\r"))
+            replaced_here += replaced
+            if line:
+              self.lines += 1
+              self.text_bytes += len(line.encode("utf-8"))
+              yield line
+      except OSError as e:
+        raise TokenizerError(f"cannot read input file {path!r}: {e.strerror or e}") from e
+      if replaced_here:
+        self.replaced_by_file[path] = replaced_here
+        self.replaced_bytes += replaced_here
+
+
+def _check_input_files(paths: Sequence[str]) -> list[str]:
+  if isinstance(paths, str):
+    paths = [paths]
+  if not paths:
+    raise TokenizerError("no input files given")
+  for path in paths:
+    if not os.path.exists(path):
+      raise TokenizerError(f"input file {path!r} does not exist")
+    if not os.path.isfile(path):
+      raise TokenizerError(f"input {path!r} is not a file")
+  return list(paths)
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+  """Files named by paths, directories (every file below, sorted, hidden names skipped) and glob patterns."""
+  files: list[str] = []
+  for pattern in patterns:
+    if os.path.exists(pattern):
+      matches = [pattern]
+    elif glob.has_magic(pattern):
+      matches = sorted(glob.glob(pattern, recursive=True))
+      if not matches:
+        raise TokenizerError(f"input pattern {pattern!r} matches no files")
+    else:
+      raise TokenizerError(f"input path {pattern!r} does not exist")
+    for match in matches:
+      if os.path.isdir(match):
+        for root, dirs, names in os.walk(match):
+          dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+          files.extend(os.path.join(root, n) for n in sorted(names) if not n.startswith("."))
+      else:
+        files.append(match)
+  files = list(dict.fromkeys(files))  # a file named twice is read once
+  if not files:
+    raise TokenizerError(f"inputs {list(patterns)} hold no files")
+  return files
+
+
+def _sentences(lines: Iterable[str], max_bytes: int) -> Iterator[str]:
+  """Lines cut into pieces of at most ``max_bytes`` UTF-8 bytes, after a space where there is one, because
+  sentencepiece silently skips longer sentences."""
+  for line in lines:
+    data = line.encode("utf-8")
+    while len(data) > max_bytes:
+      cut = data.rfind(b" ", 0, max_bytes) + 1
+      if cut == 0:
+        cut = max_bytes
+        while data[cut] & 0xC0 == 0x80:  # back off to a character boundary
+          cut -= 1
+      yield data[:cut].decode("utf-8")
+      data = data[cut:]
+    if data:
+      yield data.decode("utf-8")
+
+
+_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+def train_tokenizer(
+  inputs: Sequence[str],
+  vocab_size: int,
+  out_dir: str,
+  *,
+  model_prefix: str = "tokenizer",
+  num_threads: int = 2,
+  max_sentence_length: int = 16384,
+  character_coverage: float = 0.9995,
+  overwrite: bool = False,
+  verbose: bool = False,
+) -> str:
+  """Trains a lossless BPE tokenizer in Meta's layout on text files; returns the path of ``out_dir/<prefix>.model``.
+
+  Each non-empty line is a sentence (cut at spaces when longer than ``max_sentence_length`` bytes); sentencepiece
+  holds them all in memory. Undecodable bytes are read as U+FFFD; their count is logged as a warning per file
+  (``corpus_stats`` recounts them). The model is written under a temporary name and renamed into place, so
+  a failure never leaves a partial file, and an existing model is kept unless ``overwrite``.
+
+  Long for one reason: the trainer call names every sentencepiece setting that makes the model lossless, each with why.
+  """
+  if not isinstance(vocab_size, int) or vocab_size <= 0:
+    raise TokenizerError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+  if max_sentence_length < 4:  # the longest UTF-8 character must fit in a sentence
+    raise TokenizerError(f"max_sentence_length must be at least 4 bytes, got {max_sentence_length!r}")
+  model_path = os.path.join(out_dir, f"{model_prefix}.model")
+  if os.path.exists(model_path) and not overwrite:
+    raise TokenizerError(f"{model_path!r} already exists; pass overwrite=True (--overwrite) to replace it")
+  reader = CorpusReader(inputs)
+  read_errors: list[TokenizerError] = []
+
+  def sentences() -> Iterator[str]:
+    # sentencepiece turns an exception in the iterator into a bare RuntimeError; keep ours to raise it as it is.
+    try:
+      yield from _sentences(reader, max_sentence_length)
+    except TokenizerError as e:
+      read_errors.append(e)
+
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=sentences(),
+      model_writer=model,
+      model_type="bpe",
+      vocab_size=vocab_size,
+      # Lossless: bytes of characters without a piece fall back to <0xNN> pieces, and the text is left as it is
+      # (no NFKC, no whitespace squeezing), so decode(encode(s)) == s.
+      byte_fallback=True,
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      # As Meta does. The dummy prefix keeps the round trip: encode adds one "▁" before the text and decode drops
+      # exactly one, so leading spaces survive (tests check it); it makes "hello" at the start and mid-text share
+      # the piece "▁hello".
+      add_dummy_prefix=True,
+      split_digits=True,
+      allow_whitespace_only_pieces=True,
+      # With byte fallback, coverage never loses text; it decides which rare characters get a piece of their own.
+      # sentencepiece's CJK-safe default 0.9995 (Meta: 0.99995 on far more text) keeps stray symbols, rare hanzi
+      # and emoji from taking slots of a small vocabulary; they cost a few byte tokens instead.
+      character_coverage=character_coverage,
+      max_sentence_length=max_sentence_length,
+      unk_id=0,
+      bos_id=1,
+      eos_id=2,
+      pad_id=-1,
+      num_threads=num_threads,
+      minloglevel=0 if verbose else 2,
+    )
+  except RuntimeError as e:
+    if read_errors:
+      raise read_errors[0] from None
+    raise _training_error(e, reader, vocab_size) from e
+  if read_errors:  # training may succeed on the text read before the error; that model is not the one asked for
+    raise read_errors[0]
+  for path, count in reader.replaced_by_file.items():
+    logger.warning("%s: %d bytes are not valid UTF-8 and were read as U+FFFD", path, count)
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise TokenizerError(f"cannot create output directory {out_dir!r}: {e.strerror or e}") from e
+  # A hidden name in the same directory, so the rename is atomic; open() rather than tempfile for the umask's modes.
+  tmp_path = os.path.join(out_dir, f".{model_prefix}.model.tmp{os.getpid()}")
+  try:
+    with open(tmp_path, "wb") as f:
+      f.write(model.getvalue())
+      f.flush()
+      os.fsync(f.fileno())
+    if os.path.exists(model_path) and not overwrite:  # appeared while training
+      raise TokenizerError(f"{model_path!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    os.replace(tmp_path, model_path)
+  except OSError as e:
+    raise TokenizerError(f"cannot write {model_path!r}: {e.strerror or e}") from e
+  finally:
+    if os.path.exists(tmp_path):
+      os.unlink(tmp_path)
+  return model_path
+
+
+def _training_error(error: RuntimeError, reader: CorpusReader, vocab_size: int) -> TokenizerError:
+  message = str(error)
+  if reader.lines == 0:
+    return TokenizerError(f"no text to train on: every line of {', '.join(map(repr, reader.paths))} is empty")
+  if match := _TOO_HIGH.search(message):
+    return TokenizerError(
+      f"vocab_size {vocab_size} is larger than this corpus supports (at most {match[2]}); "
+      "lower --vocab_size or add text"
+    )
+  if match := _TOO_SMALL.search(message):
+    return TokenizerError(
+      f"vocab_size {vocab_size} is too small for this corpus: 3 special tokens, 256 byte tokens "
+      f"and its common characters need at least {match[2]}; raise --vocab_size"
+    )
+  return TokenizerError(f"sentencepiece training failed: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusStats:
+  lines: int
+  bytes: int  # UTF-8 bytes of the lines, line endings excluded
+  tokens: int  # each line encoded on its own, without bos/eos
+  replaced_bytes: int  # bytes that were not valid UTF-8, read as U+FFFD
+
+  @property
+  def bytes_per_token(self) -> float:
+    return self.bytes / max(self.tokens, 1)
+
+
+def corpus_stats(tokenizer: Tokenizer, inputs: Sequence[str], batch_lines: int = 4096) -> CorpusStats:
+  """How well ``tokenizer`` compresses text files, read the way ``train_tokenizer`` reads them."""
+  reader = CorpusReader(inputs)
+  tokens, batch = 0, []
+  for line in reader:
+    batch.append(line)
+    if len(batch) == batch_lines:
+      tokens += sum(map(len, tokenizer.encode_batch(batch)))
+      batch = []
+  tokens += sum(map(len, tokenizer.encode_batch(batch)))
+  return CorpusStats(reader.lines, reader.text_bytes, tokens, reader.replaced_bytes)

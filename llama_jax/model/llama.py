@@ -1,0 +1,510 @@
+"""LLaMA 2 as flax.nnx modules: RMSNorm, rotary embedding, grouped-query attention, SwiGLU MLP, Block, Llama.
+
+Axis legend used in every einsum and array name of the package:
+  B batch, T query length, S key/value length, N query heads, K kv heads, G = N / K query heads per kv head,
+  H head dim, D model dim, F mlp hidden, V vocab, L layers,
+  P padded prompt length (a decoding bucket), C query chunk (chunked attention), Q = G·T query rows per kv head
+  (cached attention), X any head axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py).
+
+Parameters carry logical axis names (see ``run_config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
+config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
+norms, softmax and logits are computed in float32. An int8 model (``cfg.quantize == "int8"``, for decoding) stores
+the projections and the embedding as int8 with a float32 ``<weight>_scale`` per output channel, applied to each
+product's output by ``project`` (the table of weights and axes is in quantize.py).
+
+RoPE layout: the HF transformers convention (rotate the two *halves* of each head, ``rotate_half``), so HF Llama
+weights load without any permutation. Meta's original checkpoints rotate *interleaved pairs*; their wq/wk rows must be
+permuted on the way in (see ``interop.meta.permute_meta_qk``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llama_jax.core.model_config import ModelConfig
+from llama_jax.core.run_config import LoraConfig
+from llama_jax.model import attention as attention_lib
+from llama_jax.model import lora as lora_lib
+from llama_jax.model import quantize, sharding
+
+Array = jax.Array
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, cfg: ModelConfig, init=None) -> nnx.Param:
+  init = init or jax.nn.initializers.normal(cfg.init_std)
+  value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
+  # No eager sharding: shardings are applied by the caller (sharding.init_model: abstract init, then jit with
+  # out_shardings), so modules can also be built with no mesh at all (tests, conversion).
+  return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
+
+
+def _weight(rngs: nnx.Rngs, name: str, shape, logical_axes, cfg: ModelConfig) -> tuple[nnx.Param, nnx.Param | None]:
+  """(weight, None) for a float model; (int8 weight, float32 scale of its output channels) when cfg.quantize is
+  "int8". An int8 model's own initialisation is a placeholder (zeros, scale 1) giving shapes and shardings: its
+  values come from `quantize.quantize_params` of float weights."""
+  if cfg.quantize == "none":
+    return _param(rngs, shape, logical_axes, cfg), None
+  scale_shape, scale_axes = quantize.scale_layout(name, shape, logical_axes)
+  q = nnx.Param(jnp.zeros(shape, jnp.int8), out_sharding=logical_axes, eager_sharding=False)
+  scale = nnx.Param(jnp.ones(scale_shape, jnp.float32), out_sharding=scale_axes, eager_sharding=False)
+  return q, scale
+
+
+def _add_projections(module: nnx.Module, layouts: dict, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoraConfig | None):
+  """Sets each projection `name: (shape, logical axes)` of `layouts` on `module` as `name` (and `name_scale` for an
+  int8 model), with its LoRA adapters `name_lora_a` / `name_lora_b` when `lora` targets it."""
+  for name, (shape, axes) in layouts.items():
+    weight, weight_scale = _weight(rngs, name, shape, axes, cfg)
+    setattr(module, name, weight)
+    setattr(module, name + "_scale", weight_scale)
+    adapter_a, adapter_b = lora_lib.adapter_pair(rngs, name, shape, axes, lora)
+    if adapter_a is not None:
+      setattr(module, name + lora_lib.A_SUFFIX, adapter_a)
+      setattr(module, name + lora_lib.B_SUFFIX, adapter_b)
+  module.lora_scale = lora.scale if lora is not None and lora.rank else 0.0
+
+
+def _value(param: nnx.Param | None) -> Array | None:
+  return None if param is None else param[...]
+
+
+def project(
+  x: Array,
+  w: Array,
+  scale: Array | None = None,
+  *,
+  preferred_element_type=None,
+  lora: tuple[Array, Array, float] | None = None,
+) -> Array:
+  """x[..., I] · w[I, O...] as one 2-D matrix product in x's dtype, for every projection of the model; with an int8
+  model's `scale` [O...], the int8 weight is widened inside the product and the output scaled per channel. With
+  `lora` = (A [I..., R], B [R, O...], s) (lora.py), adds s·(x·A)·B: two thin products through the rank R, so
+  neither the forward nor the gradients ever form an [I, O] matrix for the adapter.
+
+  Same numbers as the einsum it replaces (written next to each call), but XLA's CPU backend runs a 2-D dot and its
+  weight gradient far faster than the same contraction written over [B, T]: an MLP's forward + backward at B=8,
+  T=512, D=512, F=1536 took 416 ms instead of 704 ms. The reshapes are free (contiguous) and keep shardings, since
+  the batch stays the major axis. Scaling the output is the same math as scaling the weight's output channels, on
+  [B·T, O] values instead of [I, O], and never holds a float copy of the weight. The scale is applied in the
+  output's dtype (float32 for the logits, which accumulate in float32).
+  """
+  lead_shape, out_shape = x.shape[:-1], w.shape[1:]
+  w_IO = w.reshape(w.shape[0], -1).astype(x.dtype)
+  y = jnp.dot(x.reshape(-1, x.shape[-1]), w_IO, preferred_element_type=preferred_element_type)
+  y = y.reshape(*lead_shape, *out_shape)
+  y = y if scale is None else y * scale.astype(y.dtype)
+  if lora is not None:  # after the int8 scale: the adapter's product is float already
+    a, b, lora_scale = lora
+    rank = a.shape[-1]
+    low_rank = jnp.dot(x.reshape(-1, x.shape[-1]), a.reshape(-1, rank).astype(x.dtype))  # [B·T, R]
+    update = lora_scale * jnp.dot(low_rank, b.reshape(rank, -1).astype(x.dtype))
+    y = y + update.reshape(*lead_shape, *out_shape).astype(y.dtype)
+  return y
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) · scale, with the statistics in float32 (as Meta and HF do) and the result in the input dtype."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = _param(rngs, (cfg.dim,), ("norm",), cfg, init=jax.nn.initializers.ones)
+
+  def _centre(self, x32: Array) -> Array:
+    return x32  # RMSNorm does not subtract the mean
+
+  @jax.named_scope("norm")
+  def __call__(self, x: Array) -> Array:
+    x32 = self._centre(x.astype(jnp.float32))
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class LayerNorm(RMSNorm):
+  """(x − mean(x)) / std(x) · scale, statistics in float32 as RMSNorm's; scale only, no bias (``model.norm =
+  "layernorm"``: the original Transformer's norm, for comparing norms on the LLaMA blocks)."""
+
+  def _centre(self, x32: Array) -> Array:
+    return x32 - jnp.mean(x32, axis=-1, keepdims=True)
+
+
+def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm | LayerNorm | None:
+  """The norm `cfg.norm` names; None for "none", so such a model holds no norm parameters at all."""
+  return {"rmsnorm": RMSNorm, "layernorm": LayerNorm}[cfg.norm](cfg, rngs=rngs) if cfg.norm != "none" else None
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies θ^(-2i/H) of each rotated pair, with linear or llama3 context scaling applied."""
+  head_dim = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if cfg.rope_scaling == "linear":
+    inv_freq = inv_freq / cfg.rope_scaling_factor
+  elif cfg.rope_scaling == "llama3":
+    # Long wavelengths are stretched by the factor, short ones kept, and the band between blended smoothly.
+    factor = cfg.rope_scaling_factor
+    low_freq_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    high_freq_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
+      cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    inv_freq = np.where(is_medium, blended, scaled)
+  return inv_freq.astype(np.float32)
+
+
+class RotaryEmbedding(nnx.Module):
+  """Rotates each head's two halves by position-dependent angles (HF `rotate_half` layout); no parameters."""
+
+  def __init__(self, cfg: ModelConfig):
+    self.cfg = cfg
+
+  def __call__(self, x_BTXH: Array, positions_BT: Array) -> Array:
+    inv_freq = jnp.asarray(rope_inverse_frequencies(self.cfg))
+    # Angles in float32: bf16 positions × frequencies lose whole radians past a few hundred tokens.
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(angles_BTh)[:, :, None, :]
+    sin = jnp.sin(angles_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTXH.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTXH.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention: N query heads share K kv heads (G = N / K); kv heads are never repeated."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    self.cfg = cfg
+    d, n, k, h = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    layouts = {
+      "wq": ((d, n, h), ("embed", "heads", "head_dim")),
+      "wk": ((d, k, h), ("embed", "kv_heads", "head_dim")),
+      "wv": ((d, k, h), ("embed", "kv_heads", "head_dim")),
+      "wo": ((n, h, d), ("heads", "head_dim", "embed")),
+    }
+    _add_projections(self, layouts, cfg, rngs, lora)
+    self.rope = RotaryEmbedding(cfg)
+
+  def rotated_qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
+    """(q [B, T, N, H], k [B, T, K, H] rotated by position, v [B, T, K, H]): what every attention kernel reads (also
+    the inspection forward of analysis/inspection.py, which forms the probabilities itself)."""
+    q_BTNH = project(x_BTD, self.wq[...], _value(self.wq_scale), lora=lora_lib.factors(self, "wq"))  # BTD,DNH->BTNH
+    k_BTKH = project(x_BTD, self.wk[...], _value(self.wk_scale), lora=lora_lib.factors(self, "wk"))  # BTD,DKH->BTKH
+    v_BTKH = project(x_BTD, self.wv[...], _value(self.wv_scale), lora=lora_lib.factors(self, "wv"))  # BTD,DKH->BTKH
+    q_BTNH = sharding.constrain(q_BTNH, ("activation_batch", "activation_length", "activation_heads", None))
+    k_BTKH = sharding.constrain(k_BTKH, ("activation_batch", "activation_length", "activation_kv_heads", None))
+    return self.rope(q_BTNH, positions_BT), self.rope(k_BTKH, positions_BT), v_BTKH
+
+  def output_projection(self, out_BTNH: Array) -> Array:
+    """The heads' outputs [B, T, N, H] projected back to the model dim [B, T, D] by wo."""
+    b, t, n, h = out_BTNH.shape
+    wo_ID = self.wo[...].reshape(n * h, -1)
+    return project(
+      out_BTNH.reshape(b, t, n * h), wo_ID, _value(self.wo_scale), lora=lora_lib.factors(self, "wo")
+    )  # BTNH,NHD->BTD
+
+  @jax.named_scope("attention")
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+    """Output [B, T, D]: each query attends to the earlier tokens of this call with its segment id."""
+    q_BTNH, k_BTKH, v_BTKH = self.rotated_qkv(x_BTD, positions_BT)
+    out_BTNH = attention_lib.attention(
+      q_BTNH,
+      k_BTKH,
+      v_BTKH,
+      q_segment_ids=segment_ids_BT,
+      kv_segment_ids=segment_ids_BT,
+      implementation=self.cfg.attention,
+    )
+    return self.output_projection(out_BTNH)
+
+  @jax.named_scope("attention")
+  def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
+    """(output [B, T, D], updated k, v): this call's keys and values written at slot `cache.index` of the layer's
+    own [B, K, S, H] buffers (or of the stacked [L, B, K, S, H] ones), and the queries attending over every filled
+    slot by position."""
+    dtype = x_BTD.dtype
+    q_BTNH, k_BTKH, v_BTKH = self.rotated_qkv(x_BTD, positions_BT)
+    # The T new slots are written in place (the decode loop donates the cache): into the layer's own buffers, or
+    # into the stacked cache, whose layer slice is then read for attention.
+    k_BKTH = k_BTKH.swapaxes(1, 2).astype(cache.k.dtype)
+    v_BKTH = v_BTKH.swapaxes(1, 2).astype(cache.v.dtype)
+    if cache.layer is None:
+      k_BKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH, (0, 0, cache.index, 0))
+      v_BKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH, (0, 0, cache.index, 0))
+      new_kv = (k_BKSH, v_BKSH)
+    else:
+      start = (cache.layer, 0, 0, cache.index, 0)
+      k_LBKSH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None], start)
+      v_LBKSH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None], start)
+      k_BKSH = jax.lax.dynamic_index_in_dim(k_LBKSH, cache.layer, keepdims=False)
+      v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, cache.layer, keepdims=False)
+      new_kv = (k_LBKSH, v_LBKSH)
+    out_BTNH = attention_lib.cached_attention(
+      q_BTNH, k_BKSH.astype(dtype), v_BKSH.astype(dtype), q_positions=positions_BT, kv_positions=cache.positions
+    )
+    return self.output_projection(out_BTNH), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) · up(x)); the width F follows LLaMA's rule (``ModelConfig.hidden_dim``)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    d, f = cfg.dim, cfg.hidden_dim
+    layouts = {
+      "w_gate": ((d, f), ("embed", "mlp")),
+      "w_up": ((d, f), ("embed", "mlp")),
+      "w_down": ((f, d), ("mlp", "embed")),
+    }
+    _add_projections(self, layouts, cfg, rngs, lora)
+
+  @jax.named_scope("mlp")
+  def __call__(self, x_BTD: Array) -> Array:
+    gate_BTF = project(x_BTD, self.w_gate[...], _value(self.w_gate_scale), lora=lora_lib.factors(self, "w_gate"))
+    up_BTF = project(x_BTD, self.w_up[...], _value(self.w_up_scale), lora=lora_lib.factors(self, "w_up"))
+    hidden_BTF = sharding.constrain(
+      jax.nn.silu(gate_BTF) * up_BTF, ("activation_batch", "activation_length", "activation_mlp")
+    )  # gate, up: BTD,DF->BTF
+    return project(
+      hidden_BTF, self.w_down[...], _value(self.w_down_scale), lora=lora_lib.factors(self, "w_down")
+    )  # BTF,FD->BTD
+
+
+class Block(nnx.Module):
+  """Residual block. Pre-norm (LLaMA, `cfg.norm_position == "pre"`): h = x + attention(norm(x)), out = h + mlp(norm(h)).
+  Post-norm (the original Transformer): h = norm(x + attention(x)), out = norm(h + mlp(h)). `attention_norm` and
+  `mlp_norm` keep their names in both (the norm around each sub-layer); with `cfg.norm == "none"` there are none."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    self.pre_norm = cfg.norm_position == "pre"
+    self.attention_norm = make_norm(cfg, rngs)
+    self.attention = Attention(cfg, rngs=rngs, lora=lora)
+    self.mlp_norm = make_norm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs=rngs, lora=lora)
+
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+    attended_BTD = self.attention(self.norm_in(self.attention_norm, x_BTD), positions_BT, segment_ids_BT)
+    return self.mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD))
+
+  def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
+    attended_BTD, new_kv = self.attention.decode(self.norm_in(self.attention_norm, x_BTD), positions_BT, cache)
+    return self.mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD)), new_kv
+
+  def norm_in(self, norm: RMSNorm | LayerNorm | None, x_BTD: Array) -> Array:
+    """What a sub-layer reads: norm(x) in a pre-norm block, x itself in a post-norm one (or with no norm)."""
+    return norm(x_BTD) if norm is not None and self.pre_norm else x_BTD
+
+  def norm_out(self, norm: RMSNorm | LayerNorm | None, h_BTD: Array) -> Array:
+    """The residual sum passed on: norm(h) in a post-norm block, h itself in a pre-norm one."""
+    return norm(h_BTD) if norm is not None and not self.pre_norm else h_BTD
+
+  def mlp_residual(self, h_BTD: Array) -> Array:
+    """The block's second half: the MLP sub-layer and its residual sum (normed as the block's norm position says)."""
+    out_BTD = self.norm_out(self.mlp_norm, h_BTD + self.mlp(self.norm_in(self.mlp_norm, h_BTD)))
+    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed"))
+
+
+# Position stored in empty cache slots: larger than any query position, so the causal test hides them.
+EMPTY_POSITION = 2**30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerCache:
+  """One layer's view of the KV cache: either the stacked k, v [L, B, K, S, H] and this layer's index in them, or
+  (layer None) the layer's own k, v [B, K, S, H]; slot positions [B, S]; the next slot to write."""
+
+  k: Array
+  v: Array
+  layer: Array | int | None
+  positions: Array
+  index: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """The decoding cache, an explicit pytree passed in and returned (never module state).
+
+  k, v: rotated keys and values, [L, B, K, S, H] for the stacked model (its layer scan indexes them), or a tuple of
+  L buffers [B, K, S, H] (`per_layer`, for ``Llama(stacked_layers=False)``: each layer then reads and updates its own
+  buffers in place, with no slice copied per step). S is the slot axis; [K, S, H] is the layout the attention
+  products read without a transpose. positions: [B, S] the position of the token in each slot (EMPTY_POSITION where
+  empty or padding); index: int32 scalar, the next slot to write.
+  """
+
+  k: Array | tuple[Array, ...]
+  v: Array | tuple[Array, ...]
+  positions: Array
+  index: Array
+
+  @classmethod
+  def empty(cls, cfg: ModelConfig, batch: int, length: int, per_layer: bool = False) -> KVCache:
+    shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
+    if per_layer:
+      k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
+      v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
+    else:
+      k = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
+      v = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
+    return cls(k=k, v=v, positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32), index=jnp.zeros((), jnp.int32))
+
+
+_REMAT_POLICIES = {
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Llama(nnx.Module):
+  """Token embedding → L blocks → final norm (pre-norm models; `cfg.norm`, RMSNorm for LLaMA) → LM head (tied or not).
+
+  `__call__(tokens, positions, segment_ids) -> logits` is the full forward (training, evaluation);
+  `decode(tokens, positions, cache) -> (logits, cache)` runs new tokens against a KV cache (prefill and each step).
+
+  Two layouts of the same parameters. Stacked (the default): one Block whose every parameter has a leading layers
+  axis, run by one ``lax.scan`` (compile time independent of depth; the training layout). `stacked_layers=False`: a
+  list of L separate blocks (params from `unstack_layers`), the decoding layout: a step then reads each layer's
+  weights and writes its cache buffers in place, where slicing them out of stacked arrays copied every weight per
+  step on XLA:CPU (batch-1 decode step 13 → 5 ms). Each layout decodes with its own cache: per-layer buffers for
+  the decoding layout (what the ``Sampler`` runs), one stacked [L, B, K, S, H] cache in the scan carry for the
+  stacked layout (tests, and models too deep to unroll).
+
+  With `lora` (a ``LoraConfig`` of rank > 0), the targeted projections also hold low-rank adapters (lora.py), for
+  LoRA training; everything that only runs a model loads the adapters merged into the weights instead.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True, lora: LoraConfig | None = None):
+    self.cfg = cfg
+    self.embed, self.embed_scale = _weight(rngs, "embed", (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
+
+    # One Block whose every parameter has a leading "layers" axis, so the forward pass is a single scan.
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs: nnx.Rngs) -> Block:
+      return Block(cfg, rngs=rngs, lora=lora)
+
+    if stacked_layers:
+      self.layers = make_layers(rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.n_layers)])
+    # Post-norm blocks hand on a normalised stream already: a final norm would only apply a second scale to it.
+    self.final_norm = make_norm(cfg, rngs) if cfg.norm_position == "pre" else None
+    self.lm_head, self.lm_head_scale = (
+      (None, None)
+      if cfg.tie_embeddings
+      else _weight(rngs, "lm_head", (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg)
+    )
+
+  @property
+  def stacked(self) -> bool:
+    return not isinstance(self.layers, nnx.List)
+
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
+    """Float32 logits [B, T, V]. Positions default to 0..T-1. Tokens attend only to earlier tokens with their
+    segment id (packed sequences); id 0 marks padding."""
+    cfg = self.cfg
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    x_BTD = self.embed_tokens(tokens_BT)
+    if not self.stacked:
+      for block in self.layers:
+        x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
+      return self.logits(x_BTD)
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def run_layer(h_BTD, one_layer_state):
+      return nnx.merge(graphdef, one_layer_state, copy=True)(h_BTD, positions_BT, segment_ids_BT), None
+
+    if cfg.remat != "none":
+      run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
+    else:
+      for i in range(cfg.n_layers):
+        x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
+    return self.logits(x_BTD)
+
+  def decode(
+    self,
+    tokens_BT: Array,
+    positions_BT: Array | None,
+    cache: KVCache,
+    segment_ids_BT: Array | None = None,
+    logits_at_B: Array | None = None,
+  ) -> tuple[Array, KVCache]:
+    """(float32 logits [B, T, V], updated cache). The T tokens fill slots index..index+T-1 (padding, segment id 0,
+    is stored as empty) and attend to every earlier filled slot by position. Positions default to index..index+T-1.
+    With `logits_at_B`, logits [B, 1, V] of only that token of each row: a prefill needs the last prompt token's,
+    and the head over every prompt position was ~40% of a stories15M prefill (vocab 32000, dim 288)."""
+    if isinstance(cache.k, (tuple, list)) == self.stacked:
+      raise ValueError(
+        "a per-layer KV cache needs Llama(stacked_layers=False); the stacked model scans a stacked "
+        "cache (KVCache.empty(..., per_layer=False))"
+        if self.stacked
+        else "Llama(stacked_layers=False) decodes with a per-layer KV cache (KVCache.empty(..., per_layer=True))"
+      )
+    if positions_BT is None:
+      positions_BT = cache.index + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    x_BTD = self.embed_tokens(tokens_BT)
+    stored_BT = positions_BT if segment_ids_BT is None else jnp.where(segment_ids_BT != 0, positions_BT, EMPTY_POSITION)
+    slot_positions = jax.lax.dynamic_update_slice(cache.positions, stored_BT.astype(jnp.int32), (0, cache.index))
+    if not self.stacked:
+      k_all, v_all = list(cache.k), list(cache.v)
+      for index, block in enumerate(self.layers):
+        layer_cache = LayerCache(
+          k=k_all[index], v=v_all[index], layer=None, positions=slot_positions, index=cache.index
+        )
+        x_BTD, (k_all[index], v_all[index]) = block.decode(x_BTD, positions_BT, layer_cache)
+      k_all, v_all = tuple(k_all), tuple(v_all)
+    else:
+      graphdef, layer_state = nnx.split(self.layers)
+
+      def run_cached_layer(carry, layer):
+        # The whole stacked cache rides in the carry, so each layer writes only its T new slots (scan inputs and
+        # outputs would copy a layer's whole cache in and out every step).
+        h_BTD, k_all, v_all = carry
+        one_layer_state, index = layer
+        layer_cache = LayerCache(k=k_all, v=v_all, layer=index, positions=slot_positions, index=cache.index)
+        h_BTD, (k_all, v_all) = nnx.merge(graphdef, one_layer_state, copy=True).decode(h_BTD, positions_BT, layer_cache)
+        return (h_BTD, k_all, v_all), None
+
+      (x_BTD, k_all, v_all), _ = jax.lax.scan(
+        run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, jnp.arange(self.cfg.n_layers))
+      )
+    new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
+    if logits_at_B is not None:
+      x_BTD = jnp.take_along_axis(x_BTD, logits_at_B[:, None, None], axis=1)
+    return self.logits(x_BTD), new_cache
+
+  def embed_tokens(self, tokens_BT: Array) -> Array:
+    """Token ids [B, T] → the residual stream [B, T, D] in the compute dtype (an int8 table widened row by row)."""
+    dtype = jnp.dtype(self.cfg.dtype)
+    x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
+    if self.embed_scale is not None:
+      # Only the gathered rows are widened: the per-row scale is the same one the tied head applies per vocab entry.
+      x_BTD = x_BTD * jnp.take(self.embed_scale[...], tokens_BT, axis=0)[..., None].astype(dtype)
+    return sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+
+  def logits(self, x_BTD: Array) -> Array:
+    """The residual stream after the last block → float32 logits [B, T, V] (final norm, then the LM head)."""
+    x_BTD = x_BTD if self.final_norm is None else self.final_norm(x_BTD)
+    if self.lm_head is None:
+      head_DV, head_scale_V = self.embed[...].T, _value(self.embed_scale)
+    else:
+      head_DV, head_scale_V = self.lm_head[...], _value(self.lm_head_scale)
+    logits_BTV = project(x_BTD, head_DV, head_scale_V, preferred_element_type=jnp.float32)  # BTD,DV->BTV
+    return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def unstack_layers(params: dict) -> dict:
+  """Pure-dict params of a stacked Llama → those of ``Llama(cfg, stacked_layers=False)`` (one dict per layer)."""
+  n_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+  return dict(params, layers={i: jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n_layers)})

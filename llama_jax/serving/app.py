@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP application over the continuous-batching engine, with a web chat page at `/`.
+
+Endpoints: GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions (both stream as
+server-sent events with `"stream": true`), GET / (the chat page). Errors come in OpenAI's shape with 400 (a bad
+value, named with its allowed range; a prompt + max_tokens beyond the context), 401 (missing or wrong key when an
+API key is set), 404 (unknown model or route) and 413 (a body over the limit). The request fields are checked by
+protocol.py; the runs through the engine and the responses are streaming.py's.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import time
+
+try:
+  from fastapi import FastAPI
+  from fastapi import Request as HttpRequest
+  from fastapi.exceptions import RequestValidationError
+  from fastapi.responses import HTMLResponse, JSONResponse
+  from starlette.exceptions import HTTPException
+except ImportError as error:  # pragma: no cover - the message is the point
+  raise ImportError(f"{error}: the server needs its extra: pip install -e '.[serve]'") from error
+
+from llama_jax.inference.engine import Engine
+from llama_jax.serving.protocol import (
+  MAX_CHOICES,
+  ApiError,
+  parse_logprobs,
+  parse_messages,
+  parse_prompts,
+  parse_sampling,
+)
+from llama_jax.serving.streaming import Run, check_context, respond
+
+DEFAULT_MAX_BODY_MB = 4
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def error_response(error: ApiError) -> JSONResponse:
+  headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+  return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _Guard:
+  """The key (when one is set) and the body size, checked before any handler reads the body. Plain ASGI, not
+  Starlette's BaseHTTPMiddleware, under which a handler never sees its client disconnect."""
+
+  def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+      error = None
+      if self.api_key and scope["path"].startswith("/v1/"):
+        if headers.get("authorization", "") != f"Bearer {self.api_key}":
+          error = ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+      length = headers.get("content-length")
+      if error is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        message = f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes"
+        error = ApiError(413, message, code="too_large")
+      if error is not None:
+        return await error_response(error)(scope, receive, send)
+    return await self.app(scope, receive, send)
+
+
+class _Endpoints:
+  """The handlers of one application: what they share is the engine, the tokenizer and the model's name."""
+
+  def __init__(self, engine: Engine, tokenizer, model_name: str, max_body_bytes: int):
+    self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    self.max_body_bytes, self.created = max_body_bytes, int(time.time())
+
+  async def read_json(self, request: HttpRequest) -> dict:
+    body = b""
+    async for chunk in request.stream():
+      body += chunk
+      if len(body) > self.max_body_bytes:
+        raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="too_large")
+    try:
+      value = json.loads(body)
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, integers past Python's digit limit, nesting
+      raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(value, dict):
+      raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    model = value.get("model")
+    if model is not None and model != self.model_name:
+      raise ApiError(
+        404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found"
+      )
+    return value
+
+  async def health(self):
+    engine = self.engine
+    if not engine.alive():
+      return JSONResponse({"status": "error", "error": engine.failure}, status_code=503)
+    return {
+      "status": "ok",
+      "model": self.model_name,
+      "slots": engine.slots,
+      "busy_slots": engine.busy_slots(),
+      "queued": engine.queued(),
+    }
+
+  async def models(self):
+    model = dict(
+      id=self.model_name, object="model", created=self.created, owned_by="llama_jax", max_model_len=self.engine.max_len
+    )
+    return {"object": "list", "data": [model]}
+
+  async def page(self):
+    return HTMLResponse(importlib.resources.files("llama_jax.serving").joinpath("static/chat.html").read_text("utf-8"))
+
+  async def completions(self, request: HttpRequest):
+    body = await self.read_json(request)
+    engine, tokenizer = self.engine, self.tokenizer
+    sampling = parse_sampling(body, engine.max_len, tokenizer.vocab_size, chat_api=False)
+    prompts = parse_prompts(body, tokenizer)
+    top_n = parse_logprobs(body, chat_api=False)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+      raise ApiError(400, f"echo: must be true or false, got {echo!r}", "echo", "invalid_value")
+    if body.get("suffix") is not None:
+      raise ApiError(400, "suffix: is not supported by this server", "suffix", "invalid_value")
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
+    if max_tokens == 0 and not echo:
+      raise ApiError(
+        400, "max_tokens: must be ≥ 1 unless echo is true (0 scores the prompt)", "max_tokens", "invalid_value"
+      )
+    if len(prompts) * sampling.n > MAX_CHOICES:
+      message = f"n: {len(prompts)} prompts × n {sampling.n} is more than the {MAX_CHOICES} choices of one request"
+      raise ApiError(400, message, "n", "invalid_value")
+    jobs = [(i, prompt) for prompt in prompts for i in range(sampling.n)]
+    runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset=i) for i, prompt in jobs]
+    check_context(engine, runs)
+    return await respond(engine, request, runs, sampling, chat_api=False, model_name=self.model_name)
+
+  async def chat_completions(self, request: HttpRequest):
+    body = await self.read_json(request)
+    engine, tokenizer = self.engine, self.tokenizer
+    sampling = parse_sampling(body, engine.max_len, tokenizer.vocab_size, chat_api=True)
+    prompt = parse_messages(body, tokenizer)
+    top_n = parse_logprobs(body, chat_api=True)
+    max_tokens = sampling.max_tokens
+    if max_tokens is None:
+      max_tokens = max(engine.max_len - len(prompt), 1)
+    if max_tokens == 0:
+      raise ApiError(400, "max_tokens: must be ≥ 1", "max_tokens", "invalid_value")
+    runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, False, i) for i in range(sampling.n)]
+    check_context(engine, runs)
+    return await respond(engine, request, runs, sampling, chat_api=True, model_name=self.model_name)
+
+
+async def _api_error(_, error: ApiError):
+  return error_response(error)
+
+
+async def _http_error(_, error: HTTPException):
+  code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+  return error_response(ApiError(error.status_code, str(error.detail), code=code))
+
+
+async def _bug(_, error: Exception):  # a bug, not bad input: still an answer a client can read
+  return error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error"))
+
+
+async def _validation_error(_, error: RequestValidationError):
+  return error_response(ApiError(400, str(error), code="invalid_request"))
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None, max_body_bytes: int = 0):
+  """The FastAPI application (the engine must be started by the caller, or by ``python -m llama_jax.serve``)."""
+  app = FastAPI(title="llama_jax", docs_url=None, redoc_url=None, openapi_url=None)
+  max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_MB * 2**20
+  endpoints = _Endpoints(engine, tokenizer, model_name, max_body_bytes)
+  for error_class, handler in (
+    (ApiError, _api_error),
+    (HTTPException, _http_error),
+    (Exception, _bug),
+    (RequestValidationError, _validation_error),
+  ):
+    app.add_exception_handler(error_class, handler)
+  app.add_api_route("/health", endpoints.health, methods=["GET"])
+  app.add_api_route("/v1/models", endpoints.models, methods=["GET"])
+  app.add_api_route("/", endpoints.page, methods=["GET"], response_class=HTMLResponse)
+  app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"])
+  app.add_api_route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"])
+  app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+  return app

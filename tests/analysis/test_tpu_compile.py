@@ -1,0 +1,125 @@
+"""The TPU code paths compiled by the real TPU compiler (libtpu, the `tpu-aot` extra) for v4-8 and v5e-8 slices on this
+CPU-only machine: the train step of a small GQA model under fsdp, tensor and data × fsdp meshes compiles, with splash
+attention in every layer, parameters split as the mesh says, and the collectives that mesh implies."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.analysis.tpu_compile_cases import CASES, MODEL
+from tests.conftest import ROOT
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+if not HAVE_LIBTPU and os.environ.get("CI") == "true":
+  raise RuntimeError('libtpu is not installed: CI installs the tpu-aot extra (pip install -e ".[tpu-aot]")')
+pytestmark = pytest.mark.skipif(not HAVE_LIBTPU, reason='needs libtpu: pip install -e ".[tpu-aot]"')
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+  out = tmp_path_factory.mktemp("tpu") / "plans.json"
+  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+    [sys.executable, "-m", "tests.analysis.tpu_compile_cases", str(out)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert result.returncode == 0, result.stderr[-5000:]
+  return json.loads(out.read_text())
+
+
+def mesh_product(plan, *axes):
+  product = 1
+  for axis in axes:
+    product *= plan["mesh"][axis]
+  return product
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_train_step_compiles_for_tpu_with_splash_in_every_layer(plans, case):
+  plan = plans[case]
+  assert plan["compiler"] == "TPU compiler" and plan["device_kind"].startswith("TPU")
+  assert plan["attention"] == "splash"
+  kernels = plan["kernels"]
+  # Forward once per layer, and again in the backward pass (remat "full" recomputes it), then dq and dkv per layer.
+  layers = MODEL["n_layers"]
+  assert sum(n for k, n in kernels.items() if k.startswith("splash_mqa_fwd")) == 2 * layers, kernels
+  assert sum(n for k, n in kernels.items() if k.startswith("splash_mqa_dq")) == layers, kernels
+  assert sum(n for k, n in kernels.items() if k.startswith("splash_mqa_dkv")) == layers, kernels
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parameters_are_split_over_fsdp_and_tensor(plans, case):
+  """Per chip 1/(fsdp·tensor) of the parameters (the data axis replicates them), within 5%: norm scales and the
+  vocabulary-sharded embedding are the only exceptions and are small here."""
+  plan = plans[case]
+  total = plan["n_params"] * 4  # float32 storage
+  share = total / mesh_product(plan, "fsdp", "tensor")
+  assert abs(plan["params_bytes"] - share) <= 0.05 * share, (plan["params_bytes"], share)
+  assert plan["opt_state_bytes"] == pytest.approx(2 * plan["params_bytes"], rel=0.01)  # AdamW's two moments
+
+
+def traffic(plan, kind):
+  """Bytes per chip and step of one kind of collective, rings inside matmuls included, in units of the model's
+  parameters in bfloat16 (the compute dtype: what gathered weights and their gradients weigh)."""
+  collectives = plan["collectives"]
+  total = collectives[kind]["bytes"] + collectives.get(f"{kind} in matmul", {"bytes": 0})["bytes"]
+  return total / (plan["n_params"] * 2)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1]["fsdp"] > 1])
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients(plans, case):
+  plan = plans[case]
+  # Every weight is gathered at least once per step (forward; the backward gathers again or keeps it).
+  assert traffic(plan, "all-gather") >= 1.0, plan["collectives"]
+  # Gradients leave by reduce-scatter: each chip receives only its shard's sum.
+  assert traffic(plan, "reduce-scatter") > 0.2, plan["collectives"]
+  if plan["mesh"]["data"] == 1 and plan["mesh"]["tensor"] == 1:
+    # Pure FSDP: every gradient is reduced exactly once (most by reduce-scatter, the rest, e.g. the replicated norm
+    # scales, by all-reduce); never a whole-gradient all-reduce on top.
+    assert traffic(plan, "reduce-scatter") >= 0.5, plan["collectives"]
+    assert 0.95 <= traffic(plan, "reduce-scatter") + traffic(plan, "all-reduce") <= 1.1, plan["collectives"]
+
+
+def test_tensor_parallel_sums_activations_and_gathers_no_weights(plans):
+  plan = plans["v4-8/tensor"]
+  # Row-parallel projections (wo, down) end in all-reduces of activations, forward and backward; with no fsdp axis
+  # no weight is gathered and no gradient scattered.
+  assert plan["collectives"]["all-reduce"]["count"] >= 2 * MODEL["n_layers"], plan["collectives"]
+  assert traffic(plan, "all-gather") == 0 and traffic(plan, "reduce-scatter") == 0, plan["collectives"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_tpu_chip_holds_the_compiled_step(plans, case):
+  assert 0 < plans[case]["peak_bytes"] < 16 * 2**30  # a v5e chip's HBM, the smaller of the two
+
+
+def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(tmp_path):
+  """The sampler's decode loop compiled by the TPU compiler (one v5p chip, head_dim 128): its temporaries are a
+  small fraction of the KV cache (7 MiB for a 64 MiB cache). With a row-major cache the compiler copied the cache
+  into its slot-major order at loop entry and back at exit (39 MiB here; 17 GiB for a 16 GiB 7B cache);
+  sample.SLOT_MAJOR stores it that way."""
+  out = tmp_path / "decode.json"
+  overrides = ["--config.model.dim=256", "--config.model.n_heads=2", "--config.model.n_kv_heads=2"]
+  overrides += ["--config.model.n_layers=2", "--config.model.max_seq_len=2048"]
+  result = subprocess.run(
+    [sys.executable, "-m", "llama_jax.plan", "--decode", "--config", "configs/tiny.py", *overrides]
+    + ["--topology", "v5p-8", "--devices", "1", "--batch", "8", "--max_len", "2048", "--prefill_len", "0"]
+    + ["--json", str(out)],
+    cwd=ROOT,
+    env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = json.loads(out.read_text())
+  assert plan["compiler"] == "TPU compiler"
+  assert plan["decode"]["temp_bytes"] < 0.25 * plan["cache_bytes"], plan

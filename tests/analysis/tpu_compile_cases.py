@@ -1,0 +1,60 @@
+"""``python -m tests.analysis.tpu_compile_cases OUT.json``: the train step of a small GQA model compiled by the real TPU
+compiler for v4-8 and v5e-8 slices (abstract devices: no TPU needed) under fsdp, tensor and data × fsdp meshes, with
+splash attention; each case's plan (memory, collectives, kernels) goes to OUT.json. One process for every case, so
+libtpu starts once (tests/analysis/test_tpu_compile.py asserts on the file)."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only; other processes may have libtpu loaded
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402  (the environment above must be set before jax starts)
+
+from llama_jax.analysis import plan as plan_lib
+from llama_jax.analysis import tpu
+from llama_jax.core import run_config as run_config_lib
+
+# A GQA model whose shapes splash attention takes (head_dim 64, sequence a multiple of 128) and that every mesh below
+# divides (4 kv heads over tensor 4; batch 8 over data × fsdp).
+MODEL = dict(
+  vocab_size=2048,
+  dim=512,
+  n_layers=2,
+  n_heads=8,
+  n_kv_heads=4,
+  multiple_of=128,
+  max_seq_len=256,
+  dtype="bfloat16",
+  param_dtype="float32",
+  remat="full",
+  attention="auto",
+)
+CASES = {
+  "v4-8/fsdp": ("v4-8", dict(data=1, fsdp=4, tensor=1)),
+  "v4-8/tensor": ("v4-8", dict(data=1, fsdp=1, tensor=4)),
+  "v4-8/data_fsdp": ("v4-8", dict(data=2, fsdp=2, tensor=1)),
+  "v5e-8/fsdp": ("v5e-8", dict(data=1, fsdp=8, tensor=1)),
+  "v5e-8/fsdp_tensor": ("v5e-8", dict(data=1, fsdp=2, tensor=4)),
+  "v5e-8/data_fsdp": ("v5e-8", dict(data=2, fsdp=4, tensor=1)),
+}
+
+
+def run_config(mesh: dict) -> run_config_lib.RunConfig:
+  return run_config_lib.RunConfig().replace(model=MODEL, mesh=mesh, train=dict(batch_size=8, seq_len=256))
+
+
+def main(out: str) -> None:
+  results = {}
+  devices = {}
+  for case, (topology, mesh) in CASES.items():
+    devices.setdefault(topology, tpu.tpu_devices(topology))
+    plan = plan_lib.plan(run_config(mesh), devices[topology])
+    results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
+  with open(out, "w") as f:
+    json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])

