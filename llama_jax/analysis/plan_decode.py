@@ -296,7 +296,8 @@ def plan(
   prefill_len: int | None = None,
 ) -> DecodePlan:
   """Compiles the Sampler's decode loop (and prefill of a `prefill_len` prompt, default `max_len`: the longest the
-  cache takes) for `batch` rows of `max_len` slots over `devices`, each at `batch` and at 8 more rows per device."""
+  cache takes) for `batch` rows of `max_len` slots over `devices`, each at `batch` and at 8 more rows per device.
+  Its length is the DecodePlan it fills, field by field (the compiles are `_Programs`')."""
   start = time.perf_counter()
   run_config = run_config_from(run_config)
   devices = list(devices)

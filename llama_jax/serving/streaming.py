@@ -150,7 +150,7 @@ async def wait_all(http_request, runs) -> None:
 async def stream_chunks(runs, response_id, kind, chat_api, model_name, include_usage) -> AsyncIterator[dict]:
   """The chunks of a streamed response: for chat a first delta with the role, then text deltas per choice as
   tokens arrive (merged from all choices in arrival order), one chunk per choice with its finish_reason, and the
-  usage chunk when asked."""
+  usage chunk when asked. One async generator over the runs' queues, read top to bottom as the chunks go out."""
   created = int(time.time())
   chunk_kind = "chat.completion.chunk" if chat_api else "text_completion"
 
