@@ -40,7 +40,8 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
 
   def run(_):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("absl", "orbax", "jax"):
+    # gcsfs logs each file it opens on gs:// at INFO ("AdaptiveReadaheadCache enabled", dozens per checkpoint).
+    for noisy in ("absl", "orbax", "jax", "gcsfs", "fsspec"):
       logging.getLogger(noisy).setLevel(logging.WARNING)
     run_config = cli.run_config_from_flag_or_exit(config_flag)
     config_path = flags.FLAGS["config"].config_filename

@@ -2,8 +2,9 @@
 after the run's own hooks once step STEP is done. MODE is one of
 
   sigkill  SIGKILL the process while step STEP's checkpoint save is in flight: everything of it is written but orbax's
-           final commit (the atomic rename of ``checkpoints/STEP.orbax-checkpoint-tmp-*`` to ``checkpoints/STEP``),
-           which is held back until the kill. What a crash mid-save leaves behind, deterministically.
+           final commit (locally the atomic rename of ``checkpoints/STEP.orbax-checkpoint-tmp-*`` to
+           ``checkpoints/STEP``; on gs:// the ``commit_success.txt`` marker written into ``checkpoints/STEP``), which is
+           held back until the kill. What a crash mid-save leaves behind, deterministically.
   sigterm  send SIGTERM to the process itself, as a preempting scheduler would.
   nan      make the loss of step STEP not finite (STEP:N: of N steps from STEP on), through per-token weights of NaN:
            what a diverging learning rate or a damaged batch does to a step.
@@ -32,18 +33,22 @@ def hold_back_commit(step: int) -> threading.Event:
   """Makes orbax never commit checkpoint step `step`; the event is set when the commit is reached, i.e. once every
   item of the step is written into its temporary directory."""
   reached = threading.Event()
-  finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
-  async def held_finalize(self):
-    final = self.get_final()
-    if final.name != str(step) or final.parent.name != "checkpoints":  # other steps, and items inside a step
-      return await finalize(self)
-    reached.set()
-    if threading.current_thread() is threading.main_thread():  # a synchronous save: nothing else to wait for
-      os.kill(os.getpid(), signal.SIGKILL)
-    threading.Event().wait()  # the background save thread waits here until the kill
+  def hold(finalize):
+    async def held_finalize(self):
+      final = self.get_final()
+      if final.name != str(step) or final.parent.name != "checkpoints":  # other steps, and items inside a step
+        return await finalize(self)
+      reached.set()
+      if threading.current_thread() is threading.main_thread():  # a synchronous save: nothing else to wait for
+        os.kill(os.getpid(), signal.SIGKILL)
+      threading.Event().wait()  # the background save thread waits here until the kill
 
-  atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
+    return held_finalize
+
+  # orbax commits local steps by a rename, gs:// ones (where a rename is a copy) by a marker file.
+  for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+    cls.finalize = hold(cls.finalize)
   return reached
 
 

@@ -221,7 +221,7 @@ def curves_figure(run_dirs: Sequence[str], metrics: Sequence[str] = ("loss", "va
     records = read_metrics(run_dir)
     scale = _tokens_per_step(run_dir) if x == "tokens" else 1
     logged = sorted({k for r in records for k in r if k != "step"})
-    name = os.path.basename(os.path.normpath(run_dir))
+    name = paths.name(run_dir)
     for metric in metrics:
       points = [(r["step"] * scale, float(r[metric])) for r in records if metric in r]
       if not points:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from llama_jax.checkpoint import params as checkpoint_params
+from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.data import chat_template
@@ -157,7 +157,7 @@ def load_model(
   random initialisation (seed `seed`) of its model config with those changes: the architecture before training."""
   cfg = checkpoint_params.read_model_config(checkpoint_dir)
   tokenizer = checkpoint_params.load_tokenizer(checkpoint_dir, "the pictures need its tokenizer")
-  name = name or os.path.basename(os.path.normpath(checkpoint_dir))
+  name = name or paths.name(checkpoint_dir)
   if init is None:
     cfg, params = checkpoint_params.load_params(checkpoint_dir, step=step)
     model = nnx.merge(sharding.abstract_params(Llama, cfg)[0], params)

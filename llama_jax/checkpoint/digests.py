@@ -29,13 +29,11 @@ def _item_files(step_dir: epath.Path) -> Iterable[tuple[str, epath.Path]]:
   """(path relative to the step, path) of every file inside the step's items, sorted. Files at the step's top level
   (orbax's _CHECKPOINT_METADATA and commit_success.txt, digests.json itself) are left out: orbax rewrites the first
   two while committing, after the digests are taken."""
-  found = []
-  for root, _, names in step_dir.walk():
-    root = epath.Path(root)
-    if root == step_dir:
-      continue
-    found += [(str(root.relative_to(step_dir) / name), root / name) for name in names]
-  return sorted(found)
+  return sorted(
+    (relative, path)
+    for relative, path in paths.files_below(step_dir)
+    if "/" in relative  # inside an item
+  )
 
 
 def _sha256(path: epath.Path) -> str:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
-import shutil
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from llama_jax.checkpoint import records
 from llama_jax.checkpoint.digests import CheckpointError, checked_step, restore_errors, write_digests
@@ -95,13 +94,13 @@ def save_params_dir(
   Adds next to nothing to the memory `params` hold: orbax's defaults would deep-copy every numpy array and keep the
   zstd-compressed copies until the commit, about twice the model on top of it (measured by bench/convert_memory.py).
   The save is synchronous, so the arrays cannot change under it; weights barely compress (~7%) anyway."""
-  if os.path.exists(directory) and os.listdir(directory):
+  out = epath.Path(directory)  # local or gs://
+  if out.exists() and any(out.iterdir()):
     raise CheckpointError(f"output directory {directory!r} exists and is not empty; choose a new one")
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, paths.CONFIG_FILE), "w") as f:
-    f.write(cfg.to_json())
+  out.mkdir(parents=True, exist_ok=True)
+  (out / paths.CONFIG_FILE).write_text(cfg.to_json())
   if tokenizer_path:
-    shutil.copyfile(tokenizer_path, os.path.join(directory, paths.TOKENIZER_FILE))
+    (out / paths.TOKENIZER_FILE).write_bytes(epath.Path(tokenizer_path).read_bytes())
   handlers = ocp.type_handlers.create_type_handler_registry(
     (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
     (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),

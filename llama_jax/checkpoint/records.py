@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,9 +60,9 @@ def check_base(directory: str, record: Mapping[str, Any]) -> None:
   now = step_digest(record["base"], record["base_step"])
   if record.get("base_digest") and now != record["base_digest"]:
     what = (
-      f"{os.path.join(directory, paths.LORA_FILE)} adapts"
+      f"{paths.path(directory, paths.LORA_FILE)} adapts"
       if "rank" in record
-      else (f"{os.path.join(directory, paths.REFERENCE_FILE)} takes its DPO reference from")
+      else (f"{paths.path(directory, paths.REFERENCE_FILE)} takes its DPO reference from")
     )
     raise LoraError(
       f"{what} step {record['base_step']} of {record['base']!r}, whose files have changed since (digest "

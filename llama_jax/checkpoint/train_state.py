@@ -151,9 +151,11 @@ class TrainCheckpointer:
     self.manager.reload()  # what is committed on disk, not what orbax had started
     latest = self.manager.latest_step()
     kept = f"the latest checkpoint is still step {latest}" if latest is not None else "no checkpoint is saved yet"
+    remote = paths.is_remote(self.workdir)
+    fix = "Check the bucket and this machine's access to it" if remote else "Free disk space or fix the permissions"
     message = (
-      f"could not write checkpoint step {step} to {path or os.path.join(paths.steps_path(self.workdir), str(step))} "
-      f"({reason}); {kept}. Free disk space or fix the permissions, then rerun the same command to resume"
+      f"could not write checkpoint step {step} to {path or paths.step_path(self.workdir, step)} "
+      f"({reason}); {kept}. {fix}, then rerun the same command to resume"
     )
     return CheckpointError(" ".join(message.split()))  # one line, whatever the writer's error text held
 

@@ -38,7 +38,11 @@ from llama_jax.core.errors import LlamaJaxError
 _log = logging.getLogger(__name__)
 
 
-class WorkdirLockedError(LlamaJaxError, ValueError):
+class WorkdirError(LlamaJaxError, ValueError):
+  """The workdir cannot be written; the message names it and what to check."""
+
+
+class WorkdirLockedError(WorkdirError):
   """Another run holds the workdir (or may: its lock cannot be checked from here); the message names it."""
 
 
@@ -86,9 +90,7 @@ class WorkdirLock:
   def __init__(self, workdir: str):
     self.workdir = str(workdir)
     self.remote = paths.is_remote(self.workdir)
-    self.path = (
-      str(paths.path(self.workdir, paths.LOCK_FILE)) if self.remote else os.path.join(self.workdir, paths.LOCK_FILE)
-    )
+    self.path = str(paths.path(self.workdir, paths.LOCK_FILE))
     self.holder = Holder.current()
     self._fd: int | None = None
     self._remote_held = False
@@ -100,6 +102,8 @@ class WorkdirLock:
     if jax.process_index() == 0:
       try:
         self._acquire_remote() if self.remote else self._acquire_local()
+      except OSError as e:  # the workdir cannot be written: a missing bucket, a denied permission
+        error = WorkdirError(f"cannot write to workdir {self.workdir!r} ({type(e).__name__}: {e}); {self._remedy()}")
       except Exception as e:  # noqa: BLE001 -- every process must hear of it before it is raised
         error = e
     if jax.process_count() > 1:
@@ -108,6 +112,11 @@ class WorkdirLock:
         raise WorkdirLockedError(f"process 0 could not lock workdir {self.workdir!r}; its error says why")
     if error is not None:
       raise error
+
+  def _remedy(self) -> str:
+    if self.remote:
+      return "check that the bucket exists and that this machine's credentials may write to it"
+    return "check that the path is a directory this user may write to"
 
   def release(self) -> None:
     if self._fd is not None:

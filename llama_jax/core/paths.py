@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 
 from etils import epath
 
@@ -36,7 +37,11 @@ BATCHES_FILE = "batches.jsonl"
 LOCK_FILE = "run.lock"
 STEPS_DIR = "checkpoints"
 DIGESTS_FILE = "digests.json"
-CACHE_ROOT = "~/.cache/llama_jax"
+
+
+def cache_root() -> str:
+  """Where local copies of remote things go: $XDG_CACHE_HOME/llama_jax, by default ~/.cache/llama_jax."""
+  return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama_jax")
 
 
 def is_remote(path: str) -> bool:
@@ -46,6 +51,13 @@ def is_remote(path: str) -> bool:
 def path(directory: str, *names: str) -> epath.Path:
   """`directory`/`names`... as an epath.Path, which reads and writes local and remote (gs://) paths alike."""
   return epath.Path(directory).joinpath(*names)
+
+
+def name(directory: str) -> str:
+  """The last component of a directory's path, local or remote ("run" for "runs/run/", "gs://bucket/run")."""
+  if is_remote(directory):
+    return str(directory).rstrip("/").rsplit("/", 1)[-1]
+  return os.path.basename(os.path.abspath(directory))
 
 
 def steps_path(directory: str) -> str:
@@ -71,11 +83,11 @@ def absolute(directory: str) -> str:
 
 
 def local_dir(workdir: str, name: str) -> str:
-  """`workdir/name` for a local workdir; for a remote one, a directory under ~/.cache/llama_jax named after it."""
+  """`workdir/name` for a local workdir; for a remote one, a directory under cache_root() named after it."""
   if not is_remote(workdir):
     return os.path.join(workdir, name)
   key = hashlib.sha256(str(workdir).encode()).hexdigest()[:12]
-  return os.path.join(os.path.expanduser(CACHE_ROOT), f"{os.path.basename(str(workdir).rstrip('/'))}-{key}", name)
+  return os.path.join(cache_root(), f"{os.path.basename(str(workdir).rstrip('/'))}-{key}", name)
 
 
 def local_file(file: str) -> str:
@@ -87,6 +99,18 @@ def local_file(file: str) -> str:
   with open(local, "wb") as f:
     f.write(epath.Path(file).read_bytes())
   return local
+
+
+def files_below(directory: str | epath.Path) -> Iterator[tuple[str, epath.Path]]:
+  """(path relative to `directory` with "/" separators, path) of every file below it, local or remote. By listing
+  each directory: epath's `walk` yields remote roots without their scheme ("bucket/run/..." for "gs://bucket/run/..."),
+  and its recursive glob is refused on GCS."""
+  directory = epath.Path(directory)
+  for child in sorted(directory.iterdir()):
+    if child.is_dir():
+      yield from ((f"{child.name}/{relative}", path) for relative, path in files_below(child))
+    else:
+      yield child.name, child
 
 
 def append_line(file: str, line: str) -> None:

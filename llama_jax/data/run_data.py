@@ -30,10 +30,10 @@ class RunData:
 def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[[], Iterator[str]]) -> Tokenizer:
   """The configured tokenizer, the workdir's (on resume), init_from's, or one trained on the training texts."""
   if run_config.data.tokenizer:
-    return Tokenizer(run_config.data.tokenizer)
+    return Tokenizer(paths.local_file(run_config.data.tokenizer))
   for directory in (workdir, run_config.init_from):
     if directory and paths.path(directory, paths.TOKENIZER_FILE).is_file():
-      return Tokenizer(paths.local_file(os.path.join(directory, paths.TOKENIZER_FILE)))
+      return Tokenizer(paths.local_file(str(paths.path(directory, paths.TOKENIZER_FILE))))
   if jax.process_count() > 1:
     raise sources.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
   corpus_dir = paths.local_dir(workdir, "tokenizer")

@@ -43,6 +43,7 @@ def new_output_dir(out_dir: str) -> Iterator[str]:
 
 
 def tokenizer_in(directory: str) -> str | None:
-  """The tokenizer file of a directory being converted, or None: it is copied along when there is one."""
-  path = os.path.join(directory, paths.TOKENIZER_FILE)
-  return path if os.path.isfile(path) else None
+  """The tokenizer file of a directory being converted (local or remote; a local copy of a remote one), or None: it
+  is copied along when there is one."""
+  path = paths.path(directory, paths.TOKENIZER_FILE)
+  return paths.local_file(str(path)) if path.is_file() else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from llama_jax.checkpoint.train_state import TrainCheckpointer
 from llama_jax.core import distributed
@@ -217,7 +217,7 @@ class RecordBatchesHook(Hook):
   """Appends each step's batch digest to batches.jsonl: which data a step saw (provenance, resume checks)."""
 
   def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, BATCHES_FILE)
+    self.path = str(epath.Path(workdir) / BATCHES_FILE)
 
   def after_step(self, info: StepInfo) -> None:
     digest = hashlib.sha256(np.ascontiguousarray(info.batch["inputs"]).tobytes()).hexdigest()[:16]
@@ -292,7 +292,7 @@ class ProfileHook(Hook):
       self._stop()
 
   def _start(self) -> None:
-    os.makedirs(self.log_dir, exist_ok=True)
+    epath.Path(self.log_dir).mkdir(parents=True, exist_ok=True)  # local or gs://, as the workdir is
     jax.profiler.start_trace(self.log_dir)
     self.tracing = True
 

@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from llama_jax.core.paths import METRICS_FILE, append_line
+from llama_jax.core import paths
+from llama_jax.core.paths import append_line
 from llama_jax.model.loss import perplexity
 
 _log = logging.getLogger(__name__)
@@ -49,13 +49,13 @@ class MetricsWriter:
     echo: Callable[[str], None] | None = None,
   ):
     self.enabled, self.echo = enabled, echo or functools.partial(print, flush=True)
-    self._jsonl = os.path.join(workdir, METRICS_FILE)
+    self._jsonl = str(paths.path(workdir, paths.METRICS_FILE))
     self._tensorboard = None
     if enabled:
       try:
         from tensorboardX import SummaryWriter
 
-        self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._tensorboard = SummaryWriter(str(paths.path(workdir, "tensorboard")))
       except ImportError as e:  # tensorboardX itself, or google-cloud-storage for a gs:// workdir
         _log.warning("no TensorBoard events: %s", e)
     self._log_every, self._tokens_per_step = log_every, tokens_per_step

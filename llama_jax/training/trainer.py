@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -286,8 +285,7 @@ def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ())
     run_config = run_config_from(run_config)  # every value is checked before anything is written
     distributed.maybe_initialize_distributed()
     trainer = Trainer(run_config.model, run_config, sharding.make_mesh(run_config.mesh))  # mesh and shapes too
-    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-    lock.acquire()  # before anything else is written to the workdir (metadata, data, metrics, checkpoints)
+    lock.acquire()  # creates the workdir, before anything else is written there (metadata, data, metrics, checkpoints)
     checkpointer = TrainCheckpointer(
       workdir,
       keep=run_config.train.keep,
