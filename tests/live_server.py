@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+
+import httpx
 
 
 def free_port() -> int:
@@ -15,12 +21,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(app, timeout: float = 30.0):
-  """Yields the base URL of `app` served by uvicorn on 127.0.0.1; stops the server on exit."""
-  import uvicorn
+def running(app, timeout: float = 30.0, **connection_limits):
+  """Yields the base URL of `app` served on 127.0.0.1 as ``serve`` serves it (serving/connections.py, with
+  `connection_limits` such as request_timeout_s); stops the server on exit."""
+  from llama_jax.serving import connections
 
   port = free_port()
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+  server = connections.server(app, "127.0.0.1", port, **connection_limits)
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()
   deadline = time.monotonic() + timeout
@@ -60,10 +67,12 @@ def serving(
   api_key: str | None = None,
   warmup: bool = False,
   engine_kwargs: dict | None = None,
+  connection_limits: dict | None = None,
   **kw,
 ):
   """(url, engine, sampler, tokenizer) of a running server over `checkpoint_dir` (its programs compiled first with
-  `warmup`, as the CLI does); engine and server stop on exit."""
+  `warmup`, as the CLI does); `kw` go to create_app, `connection_limits` to connections.server; engine and server
+  stop on exit."""
   from llama_jax.inference.engine import Engine
   from llama_jax.inference.sampler import load_sampler
   from llama_jax.serving.app import create_app
@@ -75,7 +84,42 @@ def serving(
   engine.start()
   app = create_app(engine, tokenizer, "tiny", api_key=api_key, **kw)
   try:
-    with running(app) as url:
+    with running(app, **(connection_limits or {})) as url:
       yield url, engine, sampler, tokenizer
   finally:
     engine.stop()
+
+
+@contextlib.contextmanager
+def cli_serving(checkpoint: str, *flags: str, env: dict | None = None, timeout: float = 300.0):
+  """(url, process) of ``python -m llama_jax.serve --checkpoint CHECKPOINT FLAGS`` in its own process on a free
+  loopback port, once /health answers; on exit it is interrupted as a user would (SIGINT), and `process.stderr_text`
+  then holds what it wrote to stderr. A server that exits early, or fails to answer within `timeout`, fails the test
+  with its stderr."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  port = free_port()
+  command = [sys.executable, "-m", "llama_jax.serve", "--checkpoint", checkpoint, "--port", str(port), *flags]
+  process = subprocess.Popen(
+    command, stderr=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+  )
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        httpx.get(f"{url}/health", timeout=1)
+        break
+      except httpx.HTTPError:
+        if process.poll() is not None or time.monotonic() > deadline:
+          process.kill()
+          raise RuntimeError(f"the server did not start: {process.communicate()[1][-3000:]}") from None
+        time.sleep(0.2)
+    yield url, process
+  finally:
+    if process.poll() is None:
+      process.send_signal(signal.SIGINT)
+    try:
+      process.stderr_text = process.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.stderr_text = process.communicate()[1]

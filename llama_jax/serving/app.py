@@ -3,7 +3,8 @@
 Endpoints: GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions (both stream as
 server-sent events with `"stream": true`), GET / (the chat page). Errors come in OpenAI's shape with 400 (a bad
 value, named with its allowed range; a prompt + max_tokens beyond the context), 401 (missing or wrong key when an
-API key is set), 404 (unknown model or route) and 413 (a body over the limit). The request fields are checked by
+API key is set), 403 (a foreign Host or Origin), 404 (unknown model or route), 413 (a body over the limit) and 415 (a
+body not sent as JSON); access.py checks who may call before any handler runs. The request fields are checked by
 protocol.py; the runs through the engine and the responses are streaming.py's.
 """
 
@@ -19,10 +20,12 @@ try:
   from fastapi.exceptions import RequestValidationError
   from fastapi.responses import HTMLResponse, JSONResponse
   from starlette.exceptions import HTTPException
+  from starlette.requests import ClientDisconnect
 except ImportError as error:  # pragma: no cover - the message is the point
   raise ImportError(f"{error}: the server needs its extra: pip install -e '.[serve]'") from error
 
 from llama_jax.inference.engine import Engine
+from llama_jax.serving.access import Access, Guard
 from llama_jax.serving.protocol import (
   MAX_CHOICES,
   ApiError,
@@ -31,7 +34,7 @@ from llama_jax.serving.protocol import (
   parse_prompts,
   parse_sampling,
 )
-from llama_jax.serving.streaming import Run, check_context, respond
+from llama_jax.serving.streaming import STREAM_BUFFER_TOKENS, Run, check_context, respond
 
 DEFAULT_MAX_BODY_MB = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -42,42 +45,23 @@ def error_response(error: ApiError) -> JSONResponse:
   return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-class _Guard:
-  """The key (when one is set) and the body size, checked before any handler reads the body. Plain ASGI, not
-  Starlette's BaseHTTPMiddleware, under which a handler never sees its client disconnect."""
-
-  def __init__(self, app, api_key: str | None, max_body_bytes: int):
-    self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] == "http":
-      headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-      error = None
-      if self.api_key and scope["path"].startswith("/v1/"):
-        if headers.get("authorization", "") != f"Bearer {self.api_key}":
-          error = ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
-      length = headers.get("content-length")
-      if error is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-        message = f"request body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes"
-        error = ApiError(413, message, code="too_large")
-      if error is not None:
-        return await error_response(error)(scope, receive, send)
-    return await self.app(scope, receive, send)
-
-
 class _Endpoints:
   """The handlers of one application: what they share is the engine, the tokenizer and the model's name."""
 
-  def __init__(self, engine: Engine, tokenizer, model_name: str, max_body_bytes: int):
+  def __init__(self, engine: Engine, tokenizer, model_name: str, max_body_bytes: int, stream_buffer_tokens: int):
     self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
     self.max_body_bytes, self.created = max_body_bytes, int(time.time())
+    self.stream_buffer_tokens = stream_buffer_tokens
 
   async def read_json(self, request: HttpRequest) -> dict:
-    body = b""
-    async for chunk in request.stream():
-      body += chunk
-      if len(body) > self.max_body_bytes:
-        raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="too_large")
+    body = bytearray()
+    try:
+      async for chunk in request.stream():
+        body += chunk
+        if len(body) > self.max_body_bytes:
+          raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="too_large")
+    except ClientDisconnect:  # gone, or dropped for trickling its body (connections.py): nobody reads this answer
+      raise ApiError(408, "the client went away before its body arrived", code="timeout") from None
     try:
       value = json.loads(body)
     except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, integers past Python's digit limit, nesting
@@ -134,7 +118,9 @@ class _Endpoints:
     jobs = [(i, prompt) for prompt in prompts for i in range(sampling.n)]
     runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset=i) for i, prompt in jobs]
     check_context(engine, runs)
-    return await respond(engine, request, runs, sampling, chat_api=False, model_name=self.model_name)
+    return await respond(
+      engine, request, runs, sampling, chat_api=False, model_name=self.model_name, buffer=self.stream_buffer_tokens
+    )
 
   async def chat_completions(self, request: HttpRequest):
     body = await self.read_json(request)
@@ -149,7 +135,9 @@ class _Endpoints:
       raise ApiError(400, "max_tokens: must be ≥ 1", "max_tokens", "invalid_value")
     runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, False, i) for i in range(sampling.n)]
     check_context(engine, runs)
-    return await respond(engine, request, runs, sampling, chat_api=True, model_name=self.model_name)
+    return await respond(
+      engine, request, runs, sampling, chat_api=True, model_name=self.model_name, buffer=self.stream_buffer_tokens
+    )
 
 
 async def _api_error(_, error: ApiError):
@@ -169,11 +157,23 @@ async def _validation_error(_, error: RequestValidationError):
   return error_response(ApiError(400, str(error), code="invalid_request"))
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None = None, max_body_bytes: int = 0):
-  """The FastAPI application (the engine must be started by the caller, or by ``python -m llama_jax.serve``)."""
+def create_app(
+  engine: Engine,
+  tokenizer,
+  model_name: str,
+  api_key: str | None = None,
+  max_body_bytes: int = 0,
+  *,
+  allowed_origins: tuple[str, ...] = (),
+  loopback_only: bool = True,
+  stream_buffer_tokens: int = STREAM_BUFFER_TOKENS,
+):
+  """The FastAPI application (the engine must be started by the caller, or by ``python -m llama_jax.serve``).
+  `loopback_only`: the server is bound to a loopback address, so a Host naming anything else is refused."""
   app = FastAPI(title="llama_jax", docs_url=None, redoc_url=None, openapi_url=None)
   max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_MB * 2**20
-  endpoints = _Endpoints(engine, tokenizer, model_name, max_body_bytes)
+  access = Access(api_key, tuple(allowed_origins), loopback_only, max_body_bytes)
+  endpoints = _Endpoints(engine, tokenizer, model_name, max_body_bytes, stream_buffer_tokens)
   for error_class, handler in (
     (ApiError, _api_error),
     (HTTPException, _http_error),
@@ -186,5 +186,5 @@ def create_app(engine: Engine, tokenizer, model_name: str, api_key: str | None =
   app.add_api_route("/", endpoints.page, methods=["GET"], response_class=HTMLResponse)
   app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"])
   app.add_api_route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"])
-  app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+  app.add_middleware(Guard, access=access, error_response=error_response)
   return app

@@ -56,19 +56,36 @@ class Run:
     self.error: str | None = None
     self.queue: asyncio.Queue | None = None
     self.loop = None
+    self.buffer: int | None = None
+    self.unsent = 0  # tokens handed over by the engine and not yet taken into the response
+    self.overflowed = False  # cancelled for a client that read nothing (see STREAM_BUFFER_TOKENS)
 
-  def start(self, loop) -> None:
-    self.queue, self.loop = asyncio.Queue(), loop
+  def start(self, loop, buffer: int | None = None) -> None:
+    """Submits the request; with `buffer`, it is cancelled once more than that many of its tokens wait unsent."""
+    self.queue, self.loop, self.buffer = asyncio.Queue(), loop, buffer
     self.engine.submit(self.request)
 
   def _on_output(self, output: Output) -> None:  # the engine's thread
     try:
-      self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+      self.loop.call_soon_threadsafe(self._arrive, output)
     except RuntimeError:  # the event loop is closed (server shutting down): nobody is waiting
       self.engine.cancel(self.request)
 
+  def _arrive(self, output: Output) -> None:
+    """On the event loop, which runs while a stream's handler waits for its client to read: the outputs pile up in
+    the queue only while the client reads nothing."""
+    waiting = self.unsent  # tokens of earlier outputs still in the queue: 0 while the client keeps up
+    self.queue.put_nowait(output)
+    self.unsent += len(output.tokens)
+    if self.buffer is not None and waiting > self.buffer and not self.request.cancelled:
+      self.engine.cancel(self.request)  # frees the slot before the next step
+      self.overflowed = True
+      message = f"the client read nothing while {waiting} tokens waited (the limit is {self.buffer}); cancelled"
+      self.queue.put_nowait(Output([], finish_reason="error", error=message))
+
   def take(self, output: Output) -> bool:
     """Folds one engine output into the text; True when this choice is finished."""
+    self.unsent -= len(output.tokens)
     if output.prompt_logprobs is not None:
       self.prefix_text, self.prompt_listing = prompt_logprobs(
         self.tokenizer, self.prompt, output.prompt_logprobs, output.prompt_top_logprobs, self.top_n
@@ -127,6 +144,10 @@ def usage(runs) -> dict:
 
 
 DISCONNECT_CHECK_S = 0.5
+# Tokens of one streamed choice that may wait for a client that reads nothing, beyond what the connection's buffers
+# hold (the transport's 64 KiB and the kernel's); past it the choice is cancelled and its slot freed. A client that
+# reads at any pace keeps this near 0: the handler takes each output as soon as the previous chunk is written.
+STREAM_BUFFER_TOKENS = 256
 
 
 async def wait_all(http_request, runs) -> None:
@@ -179,14 +200,9 @@ async def stream_chunks(runs, response_id, kind, chat_api, model_name, include_u
         run = runs[index]
         finished = run.take(pending.pop(index).result())
         if run.error:
-          yield {
-            "error": {
-              "message": f"the engine failed: {run.error}",
-              "type": "server_error",
-              "param": None,
-              "code": "engine_error",
-            }
-          }
+          code, message = ("client_too_slow", run.error) if run.overflowed else ("engine_error", run.error)
+          message = message if run.overflowed else f"the engine failed: {message}"
+          yield {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
           return
         text = run.choice.new_text(final=finished)
         first = run.echo and not echoed[index]
@@ -258,15 +274,18 @@ async def sse(events: AsyncIterator[dict], runs, engine) -> AsyncIterator[bytes]
       run.cancel()
 
 
-async def respond(engine: Engine, http_request, runs, sampling, *, chat_api: bool, model_name: str):
+async def respond(
+  engine: Engine, http_request, runs, sampling, *, chat_api: bool, model_name: str, buffer: int = STREAM_BUFFER_TOKENS
+):
   """Starts every run of a request and answers it: a JSON response once all are done, or with `stream` a stream of
-  server-sent events as tokens arrive. A client that goes away cancels its runs."""
+  server-sent events as tokens arrive. A client that goes away cancels its runs; so does a streaming client that
+  leaves more than `buffer` tokens of a choice unread."""
   response_id = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
   kind = "chat.completion" if chat_api else "text_completion"
   loop = asyncio.get_running_loop()
   try:
     for run in runs:
-      run.start(loop)
+      run.start(loop, buffer if sampling.stream else None)
   except EngineError as error:  # the queue is full, or the engine has stopped: nothing of this request runs
     for run in runs:
       run.cancel()

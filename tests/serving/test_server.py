@@ -254,7 +254,8 @@ def test_malformed_requests_get_the_documented_4xx_and_the_server_keeps_serving(
       error = response.json()["error"]
       assert fragment in error["message"], (body, error)
       assert set(error) == {"message", "type", "param", "code"}
-    big = http.post("/completions", content=b'{"prompt": "' + b"a" * (10 * 2**20) + b'"}')
+    big_body = b'{"prompt": "' + b"a" * (10 * 2**20) + b'"}'
+    big = http.post("/completions", content=big_body, headers={"content-type": "application/json"})
     assert big.status_code == 413 and "exceeds the limit" in big.json()["error"]["message"]
     assert http.get("/completions").status_code == 405
     ok = http.post("/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
@@ -377,6 +378,12 @@ def test_load_with_concurrent_and_disconnecting_clients(server):
     (["--max_len", "100000"], "max_len must be in [2, 256] (the model's max_seq_len), got 100000"),
     (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
     (["--checkpoint", "/nonexistent"], "/nonexistent"),
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 serves other machines, but no --api_key (or LLAMA_JAX_API_KEY) is set"),
+    (["--host", "192.0.2.7"], "set a key, or pass --insecure_no_api_key to serve without one"),
+    (["--request_timeout_s", "0"], "--request_timeout_s must be > 0, got 0.0"),
+    (["--max_connections", "0"], "--max_connections must be ≥ 1, got 0"),
+    (["--stream_buffer_tokens", "0"], "--stream_buffer_tokens must be ≥ 1, got 0"),
+    (["--allowed_origins", "evil.example"], "--allowed_origins: allowed origin 'evil.example' is not an origin"),
   ],
 )
 def test_cli_bad_flags_are_one_line_exit_2(checkpoint_dir, capsys, flags, message):
@@ -390,41 +397,35 @@ def test_cli_bad_flags_are_one_line_exit_2(checkpoint_dir, capsys, flags, messag
 
 
 def test_cli_serves_until_interrupted(checkpoint_dir):
-  import signal
-  import subprocess
-  import sys
-
-  from tests.conftest import ROOT
-
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  port = live_server.free_port()
-  command = [sys.executable, "-m", "llama_jax.serve", "--checkpoint", checkpoint_dir]
-  server = subprocess.Popen(
-    command + f"--port {port} --slots 2 --max_len 64".split(),
-    stderr=subprocess.PIPE,
-    text=True,
-    cwd=ROOT,
-    env=env,
-  )
-  try:
-    deadline = time.monotonic() + 300
-    while True:
-      try:
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-        break
-      except httpx.HTTPError:
-        assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+  with live_server.cli_serving(checkpoint_dir, "--slots", "2", "--max_len", "64") as (url, server):
+    health = httpx.get(f"{url}/health")
     assert health.json()["model"] == os.path.basename(checkpoint_dir)
-    response = httpx.post(
-      f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=120
-    )
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=120)
     assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] > 0
-  finally:
-    server.send_signal(signal.SIGINT)
-    _, stderr = server.communicate(timeout=60)
-  assert server.returncode == 0, stderr
-  assert f"serving 'tiny' on http://127.0.0.1:{port} (2 slots × 64 tokens; programs compiled in" in stderr
+  assert server.returncode == 0, server.stderr_text
+  assert f"serving 'tiny' on {url} (2 slots × 64 tokens; programs compiled in" in server.stderr_text
+
+
+def test_cli_serves_other_machines_without_a_key_only_when_told_and_warns(checkpoint_dir, capsys, monkeypatch):
+  """--insecure_no_api_key: the server starts (here: its uvicorn server is replaced before it binds anything, so
+  nothing listens beyond loopback) and says on every start that anyone can use it."""
+  from llama_jax import serve
+  from llama_jax.serving import connections
+
+  started = []
+
+  class NotListening:
+    def run(self):
+      started.append(True)
+
+  monkeypatch.setattr(connections, "server", lambda app, host, port, **kw: NotListening())
+  monkeypatch.delenv("LLAMA_JAX_API_KEY", raising=False)
+  flags = ["--checkpoint", checkpoint_dir, "--host", "0.0.0.0", "--slots", "1", "--max_len", "32"]
+  assert serve.main([*flags, "--insecure_no_api_key"]) == 0 and started
+  err = capsys.readouterr().err
+  assert "warning: serving 0.0.0.0 without an API key (--insecure_no_api_key): anyone who can reach port 8000" in err
+  assert serve.main([*flags, "--api_key", "k"]) == 0 and len(started) == 2
+  assert "warning" not in capsys.readouterr().err
 
 
 def test_the_earliest_stop_string_wins_whatever_their_order(server):
