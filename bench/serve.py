@@ -15,7 +15,6 @@ same prompts, so they generate the same tokens.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import concurrent.futures
 import json
 import os
@@ -27,6 +26,7 @@ import threading
 import time
 
 import httpx
+import load
 import numpy as np
 from decode import SHAPES
 from flax import nnx
@@ -114,24 +114,14 @@ def start_server(checkpoint_dir: str, port: int, slots: int, max_len: int, steps
 _local = threading.local()
 
 
-def request_body(ids: list[int], max_tokens: int) -> dict:
-  return {
-    "model": "bench",
-    "prompt": ids,
-    "max_tokens": max_tokens,
-    "temperature": 0,
-    "stream": True,
-    "stream_options": {"include_usage": True},
-  }
-
-
 def one_request(url: str, ids: list[int], max_tokens: int) -> tuple[float, int]:
   """(seconds to the first streamed text, tokens generated) of one greedy streamed completion, through httpx."""
   sent = time.perf_counter()
   first, tokens = None, 0
   if not hasattr(_local, "http"):  # one kept-alive connection per client thread, as a real client holds
     _local.http = httpx.Client(timeout=600)
-  with _local.http.stream("POST", f"{url}/v1/completions", json=request_body(ids, max_tokens)) as response:
+  body = load.completion_body("bench", ids, max_tokens, True)
+  with _local.http.stream("POST", f"{url}/v1/completions", json=body) as response:
     response.raise_for_status()
     for line in response.iter_lines():
       if not line.startswith("data: ") or line == "data: [DONE]":
@@ -150,56 +140,10 @@ def threaded_run(url: str, prompt_ids: list[list[int]], max_tokens: int, clients
     return list(pool.map(lambda ids: one_request(url, ids, max_tokens), prompt_ids))
 
 
-async def _lean_client(port: int, work: list, results: dict, max_tokens: int) -> None:
-  """One kept-alive HTTP/1.1 connection sending the next waiting request when the last has ended. It parses only
-  what it measures: the chunked transfer encoding, events up to the first with text, and the usage event. The httpx
-  threads (--client httpx) spent 0.85 of the 4.6 core-seconds of a 16-client run on this 2-core machine, time the
-  server's XLA threads then lacked; this one spends 0.04 (measured, Intel Xeon, 2026-12-02)."""
-  reader, writer = await asyncio.open_connection("127.0.0.1", port)
-  try:
-    while work:
-      index, ids = work.pop()
-      body = json.dumps(request_body(ids, max_tokens)).encode()
-      sent = time.perf_counter()
-      writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-      )
-      head = await reader.readuntil(b"\r\n\r\n")
-      if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
-        raise RuntimeError(f"unexpected response: {head[:200]!r}")
-      first, tokens, pending = None, None, b""
-      while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        data = await reader.readexactly(size + 2)
-        if size == 0:
-          break
-        pending += data[:-2]
-        *events, pending = pending.split(b"\n\n")
-        for event in events:
-          if event == b"data: [DONE]":
-            continue
-          if first is None and (choices := json.loads(event[6:])["choices"]) and choices[0]["text"]:
-            first = time.perf_counter() - sent
-          if b'"usage"' in event:
-            tokens = json.loads(event[6:])["usage"]["completion_tokens"]
-      results[index] = (first if first is not None else time.perf_counter() - sent, tokens)
-  finally:
-    writer.close()
-
-
 def lean_run(url: str, prompt_ids: list[list[int]], max_tokens: int, clients: int) -> list[tuple[float, int]]:
-  """`clients` closed-loop clients on one asyncio thread (see _lean_client)."""
-  port = int(url.rsplit(":", 1)[1])
-  work = list(enumerate(prompt_ids))[::-1]  # popped from the end: in order
-  results: dict[int, tuple[float, int]] = {}
-
-  async def run():
-    await asyncio.gather(*(_lean_client(port, work, results, max_tokens) for _ in range(clients)))
-
-  asyncio.run(run())
-  return [results[i] for i in range(len(prompt_ids))]
+  """`clients` closed-loop clients on one asyncio thread (bench/load.py)."""
+  replies = load.closed_loop(int(url.rsplit(":", 1)[1]), prompt_ids, "bench", max_tokens, clients)
+  return [(r.first_text_s, r.completion_tokens) for r in replies]
 
 
 CLIENTS = {"lean": lean_run, "httpx": threaded_run}
