@@ -14,6 +14,17 @@ import time
 import httpx
 
 
+def rss_mib(pid: int | str = "self") -> float:
+  """Resident memory of a process (this one by default), from /proc."""
+  with open(f"/proc/{pid}/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def open_fds(pid: int | str = "self") -> int:
+  """Open file descriptors of a process (this one by default), from /proc."""
+  return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -78,18 +78,20 @@ class Access:
   max_body_bytes: int = 4 * 2**20
 
   def __post_init__(self):
-    for origin in self.allowed_origins:
-      if parse_origin(origin) is None:
+    parsed = {origin: parse_origin(origin) for origin in self.allowed_origins}
+    for origin, split in parsed.items():
+      if split is None:
         raise ValueError(
           f"allowed origin {origin!r} is not an origin: scheme://host[:port], e.g. http://localhost:3000"
         )
+    object.__setattr__(self, "_allowed", frozenset(parsed.values()))  # parsed once, not on every request
 
   def origin_allowed(self, origin: str, host: str, scheme: str) -> bool:
     """Whether `origin` is this server's own (as the request's Host names it) or one of the allowed ones."""
     parsed = parse_origin(origin)
     if parsed is None:
       return False
-    if parsed in {parse_origin(o) for o in self.allowed_origins}:
+    if parsed in self._allowed:
       return True
     own = _split_host(host, scheme)
     return own is not None and parsed == (scheme, own[0].lower(), own[1])

@@ -98,15 +98,11 @@ class DeadlineProtocol(AutoHTTPProtocol):
 
   def resume_writing(self) -> None:
     super().resume_writing()
-    if self._write_deadline is not None:
-      self._write_deadline.cancel()
-      self._write_deadline = None
+    self._cancel_write()
 
   def connection_lost(self, exc) -> None:
     self._cancel_receive()
-    if self._write_deadline is not None:
-      self._write_deadline.cancel()
-      self._write_deadline = None
+    self._cancel_write()
     super().connection_lost(exc)
 
   def _awaiting_headers(self) -> bool:
@@ -126,6 +122,11 @@ class DeadlineProtocol(AutoHTTPProtocol):
     if self._receive_deadline is not None:
       self._receive_deadline.cancel()
       self._receive_deadline = None
+
+  def _cancel_write(self) -> None:
+    if self._write_deadline is not None:
+      self._write_deadline.cancel()
+      self._write_deadline = None
 
   def _drop_slow_request(self) -> None:
     self._receive_deadline = None

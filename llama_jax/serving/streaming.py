@@ -200,8 +200,10 @@ async def stream_chunks(runs, response_id, kind, chat_api, model_name, include_u
         run = runs[index]
         finished = run.take(pending.pop(index).result())
         if run.error:
-          code, message = ("client_too_slow", run.error) if run.overflowed else ("engine_error", run.error)
-          message = message if run.overflowed else f"the engine failed: {message}"
+          if run.overflowed:
+            code, message = "client_too_slow", run.error
+          else:
+            code, message = "engine_error", f"the engine failed: {run.error}"
           yield {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
           return
         text = run.choice.new_text(final=finished)

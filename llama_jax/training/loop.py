@@ -17,12 +17,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from etils import epath
 
 from llama_jax.checkpoint.train_state import TrainCheckpointer
-from llama_jax.core import distributed
+from llama_jax.core import distributed, paths
 from llama_jax.core.errors import LlamaJaxError
-from llama_jax.core.paths import BATCHES_FILE, append_line
 from llama_jax.training.metrics import MetricsWriter
 
 
@@ -217,11 +215,11 @@ class RecordBatchesHook(Hook):
   """Appends each step's batch digest to batches.jsonl: which data a step saw (provenance, resume checks)."""
 
   def __init__(self, workdir: str):
-    self.path = str(epath.Path(workdir) / BATCHES_FILE)
+    self.path = str(paths.path(workdir, paths.BATCHES_FILE))
 
   def after_step(self, info: StepInfo) -> None:
     digest = hashlib.sha256(np.ascontiguousarray(info.batch["inputs"]).tobytes()).hexdigest()[:16]
-    append_line(self.path, json.dumps({"step": info.step, "inputs_sha256": digest}))
+    paths.append_line(self.path, json.dumps({"step": info.step, "inputs_sha256": digest}))
 
 
 class PreemptionHook(Hook):
@@ -292,7 +290,7 @@ class ProfileHook(Hook):
       self._stop()
 
   def _start(self) -> None:
-    epath.Path(self.log_dir).mkdir(parents=True, exist_ok=True)  # local or gs://, as the workdir is
+    paths.path(self.log_dir).mkdir(parents=True, exist_ok=True)  # local or gs://, as the workdir is
     jax.profiler.start_trace(self.log_dir)
     self.tracing = True
 

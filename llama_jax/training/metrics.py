@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from llama_jax.core import paths
-from llama_jax.core.paths import append_line
 from llama_jax.model.loss import perplexity
 
 _log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ class MetricsWriter:
   def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
     if not self.enabled:
       return
-    append_line(self._jsonl, json.dumps({"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}))
+    paths.append_line(self._jsonl, json.dumps({"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}))
     if self._tensorboard is not None:
       for key, value in metrics.items():
         if math.isfinite(value):  # a skipped step's NaN stays in metrics.jsonl; TensorBoard would only warn

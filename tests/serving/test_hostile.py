@@ -5,7 +5,6 @@ answer; afterwards no slot, file descriptor or memory is held that was not held 
 normal request with the offline greedy text."""
 
 import json
-import os
 import socket
 import time
 from urllib.parse import urlsplit
@@ -52,15 +51,6 @@ def server(checkpoint_dir):
 
 def _port(url: str) -> int:
   return urlsplit(url).port
-
-
-def open_fds() -> int:
-  return len(os.listdir("/proc/self/fd"))
-
-
-def rss_mib() -> float:
-  with open("/proc/self/status") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def raw(port: int, data: bytes, wait_s: float = 10.0) -> bytes:
@@ -247,7 +237,7 @@ def test_header_floods_are_refused(server):
 def test_a_thousand_idle_connections_hit_the_cap_then_go(server):
   url, engine = server[0], server[1]
   port = _port(url)
-  before = open_fds()
+  before = live_server.open_fds()
   idle = []
   try:
     for _ in range(1000):
@@ -264,9 +254,9 @@ def test_a_thousand_idle_connections_hit_the_cap_then_go(server):
       s.close()
   assert httpx.get(f"{url}/health", timeout=10).status_code == 200
   deadline = time.monotonic() + 10
-  while open_fds() > before + 4 and time.monotonic() < deadline:
+  while live_server.open_fds() > before + 4 and time.monotonic() < deadline:
     time.sleep(0.2)
-  assert open_fds() <= before + 4, (before, open_fds())
+  assert live_server.open_fds() <= before + 4, (before, live_server.open_fds())
   assert engine.pending() == 0
 
 
@@ -312,14 +302,14 @@ def test_after_the_battery_nothing_is_held_and_answers_are_greedy(server):
   prompt = "Shall I compare thee"
   ids = tokenizer.encode(prompt, bos=True)
   want = tokenizer.decode(ids + sampler.generate([ids], 12)[0])[len(tokenizer.decode(ids)) :]
-  fds, rss = open_fds(), rss_mib()
+  fds, rss = live_server.open_fds(), live_server.rss_mib()
   test_each_hostile_request_gets_its_documented_answer(server)
   test_header_floods_are_refused(server)
   test_trickled_headers_and_bodies_and_silent_connections_are_dropped(server)
   test_an_unread_stream_is_cancelled_and_its_connection_dropped(server)
   time.sleep(0.5)
   assert engine.pending() == 0 and engine.busy_slots() == 0
-  assert open_fds() <= fds + 4, (fds, open_fds())
-  assert rss_mib() - rss < 64, (rss, rss_mib())
+  assert live_server.open_fds() <= fds + 4, (fds, live_server.open_fds())
+  assert live_server.rss_mib() - rss < 64, (rss, live_server.rss_mib())
   answer = httpx.post(f"{url}/v1/completions", headers=AUTH, json={**_completion(prompt), "max_tokens": 12})
   assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == want

@@ -276,11 +276,6 @@ def test_api_key_is_required_when_set(checkpoint_dir):
     assert httpx.get(f"{url}/health").status_code == 200  # health stays open for probes
 
 
-def rss_mib() -> float:
-  with open("/proc/self/status") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
 def load_round(server, n_requests=64, n_clients=16, n_disconnects=8, seed=0):
   """n_requests from n_clients threads (mixed prompt lengths, half streamed) plus n_disconnects streams dropped
   after their first chunk. Returns (results by request index, disconnected count)."""
@@ -363,9 +358,9 @@ def test_load_with_concurrent_and_disconnecting_clients(server):
   assert engine.stats["requests"] - before_requests == 72  # 72 requests through 8 slots: slots were reused
   # Memory: a second and third round of the same traffic leave the process's resident size where the first did.
   load_round(server, seed=1)
-  settled = rss_mib()
+  settled = live_server.rss_mib()
   load_round(server, seed=2)
-  grown = rss_mib() - settled
+  grown = live_server.rss_mib() - settled
   print(f"resident memory after round 2: {settled:.0f} MiB; round 3 added {grown:+.1f} MiB")
   assert grown < 32, f"resident memory grew {grown:.1f} MiB over one more round of 72 requests"
   assert os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import random
 import time
 
@@ -73,12 +72,10 @@ def expected(checkpoint_dir):
 
 
 def server_state(url: str, pid: int) -> dict:
-  with open(f"/proc/{pid}/status") as f:
-    rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
   health = httpx.get(f"{url}/health", timeout=30).json()
   return dict(
-    rss_mib=rss_kib / 1024,
-    fds=len(os.listdir(f"/proc/{pid}/fd")),
+    rss_mib=live_server.rss_mib(pid),
+    fds=live_server.open_fds(pid),
     busy_slots=health["busy_slots"],
     queued=health["queued"],
   )
