@@ -62,6 +62,25 @@ def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_j
   return result
 
 
+def run_train_patched(workdir, tokenizer, patch: str, *extra, env=None, check=True):
+  """The micro training command run by `python -c`: `patch` (Python source) runs first, in the same process, to put
+  a fault or a stand-in in place (a slow data source, a package that cannot be found); then the command as usual."""
+  args = train_args(workdir, tokenizer, *extra)[3:]
+  run = "runpy.run_module('llama_jax.train', run_name='__main__')"
+  script = f"{patch}\nimport runpy, sys\nsys.argv = ['train'] + {args!r}\n{run}"
+  result = subprocess.run(
+    [sys.executable, "-c", script],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=dict(os.environ, **(env or {})),
+  )
+  if check:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result
+
+
 def read_jsonl(path):
   with open(path) as f:
     return [json.loads(line) for line in f]

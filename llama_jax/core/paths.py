@@ -10,6 +10,8 @@ Layout of a checkpoint directory (from training or from ``convert --from_hf``):
     DIR/reference.json         a full DPO workdir: the checkpoint step of its frozen reference model
     DIR/metrics.jsonl          training metrics, one JSON line per logged step (and evaluation)
     DIR/batches.jsonl          with train.record_batches: each step's batch digest
+    DIR/goodput.json           where the run's time went, per session (training/goodput.py)
+    DIR/trackers.json          the W&B and MLflow runs this workdir logs to, so a resume continues them
     DIR/run.lock               held while a run writes here (checkpoint/workdir_lock.py)
     DIR/checkpoints/<step>/    orbax CheckpointManager steps, each with its digests.json
 
@@ -34,6 +36,8 @@ LORA_FILE = "lora.json"
 REFERENCE_FILE = "reference.json"  # a full (not LoRA) DPO workdir's record of its reference model
 METRICS_FILE = "metrics.jsonl"
 BATCHES_FILE = "batches.jsonl"
+GOODPUT_FILE = "goodput.json"
+TRACKERS_FILE = "trackers.json"
 LOCK_FILE = "run.lock"
 STEPS_DIR = "checkpoints"
 DIGESTS_FILE = "digests.json"

@@ -29,6 +29,7 @@ from llama_jax.core.model_config import LORA_TARGETS, ModelConfig
 DATA_FORMATS = ("text", "chat", "preference")
 ON_ERROR = ("skip", "stop")
 NONFINITE_POLICIES = ("stop", "skip")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -113,6 +114,12 @@ class TrainConfig(Section):
   async_save: bool = True
   peak_flops_per_device: float = 0.0  # for MFU; 0: a table by device kind, or a measured matmul peak on CPU
   record_batches: bool = False  # append each step's batch digest to batches.jsonl (data provenance, resume checks)
+  # Metrics sinks beside metrics.jsonl (process 0): any of "tensorboard", "wandb" (extra wandb), "mlflow" (extra
+  # mlflow). W&B reads WANDB_MODE / WANDB_ENTITY / its key from the environment; MLflow its tracking URI.
+  trackers: tuple[str, ...] = ("tensorboard",)
+  tracker_project: str = "llama_jax"  # the W&B project / MLflow experiment
+  run_name: str = ""  # the tracker run's display name; empty: the workdir's name
+  mlflow_tracking_uri: str = ""  # empty: MLflow's own (MLFLOW_TRACKING_URI, or its default)
   profile_steps: tuple[int, ...] = ()  # (start, count): a jax.profiler trace of steps start .. start+count-1
   # A step whose loss or gradients are not finite is never applied. "stop": the run ends with one line and exit 2,
   # saving nothing after it; "skip": it is skipped (counted in the log) unless max_skipped_steps follow in a row.
@@ -136,6 +143,10 @@ class TrainConfig(Section):
     for name in ("weight_decay", "clip_norm", "peak_flops_per_device"):
       check_range(f"train.{name}", getattr(self, name), 0)
     check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+    for tracker in self.trackers:
+      check_choice("train.trackers", tracker, TRACKERS)
+    if len(set(self.trackers)) != len(self.trackers):
+      raise ConfigError(f"train.trackers names a tracker twice: {self.trackers!r}")
     check_range("train.max_skipped_steps", self.max_skipped_steps, 1)
     check_range("train.dpo_beta", self.dpo_beta, 0, low_open=True)
     if self.batch_size % self.grad_accum:

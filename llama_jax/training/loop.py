@@ -3,6 +3,9 @@ preemption and profiling are hooks attached to it (Levanter's ``Trainer.add_hook
 
 A hook sees each step through a ``StepInfo`` (the step number, the state after it, its device metrics, the host batch
 it consumed) and may ask the loop to stop. Hooks run in the order they were added, after the step is dispatched.
+
+The loop keeps a ``StepClock`` (goodput.py): the wait for each batch is timed as ``data``, and a hook with a ``phase``
+(checkpoint saves, evaluation) is timed as that phase, so each logged window says where its time went.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import signal
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from llama_jax.checkpoint.train_state import TrainCheckpointer
 from llama_jax.core import distributed, paths
 from llama_jax.core.errors import LlamaJaxError
+from llama_jax.training.goodput import StepClock
 from llama_jax.training.metrics import MetricsWriter
 
 
@@ -40,6 +43,7 @@ class Hook:
 
   every: int = 1  # 0: never after a step
   at_last: bool = False
+  phase: str | None = None  # the goodput phase its calls are timed as (None: part of the step's own time)
 
   def begin(self, loop: TrainLoop) -> None:
     pass
@@ -65,11 +69,21 @@ class FunctionHook(Hook):
 class TrainLoop:
   """Runs `step_fn(state, batch) -> (state, metrics)` from step `start` to `steps` over `batches`, calling hooks."""
 
-  def __init__(self, step_fn: Callable, batches: Iterator[dict[str, np.ndarray]], state: Any, start: int, steps: int):
+  def __init__(
+    self,
+    step_fn: Callable,
+    batches: Iterator[dict[str, np.ndarray]],
+    state: Any,
+    start: int,
+    steps: int,
+    clock: StepClock | None = None,
+  ):
     self.step_fn, self.batches, self.state = step_fn, batches, state
     self.start, self.step, self.steps = start, start, steps
+    self.clock = clock or StepClock()
     self.hooks: list[Hook] = []
     self.stop_requested = False
+    self.failed = False  # a step or a hook raised: the close calls run as the error propagates
 
   def add_hook(self, hook: Hook | Callable[[StepInfo], None], every: int = 1, at_last: bool = False) -> None:
     self.hooks.append(hook if isinstance(hook, Hook) else FunctionHook(hook, every, at_last))
@@ -84,20 +98,31 @@ class TrainLoop:
       for hook in self.hooks:
         hook.begin(self)
       while self.step < self.steps and not self.stop_requested:
-        batch = next(self.batches)
+        with self.clock.measure("data"):
+          batch = next(self.batches)
         self.state, metrics = self.step_fn(self.state, batch)
         self.step += 1
         info = StepInfo(self.step, self.state, metrics, batch, self.step == self.steps)
         for hook in self.hooks:
           if (hook.every and self.step % hook.every == 0) or (hook.at_last and info.last):
-            hook.after_step(info)
+            self._timed(hook, hook.after_step, info)
       info = dataclasses.replace(info, step=self.step, state=self.state)
       for hook in self.hooks:
-        hook.end(info)
+        self._timed(hook, hook.end, info)
+    except BaseException:
+      self.failed = True
+      raise
     finally:
       for hook in self.hooks:
-        hook.close()
+        self._timed(hook, hook.close)
     return self.state
+
+  def _timed(self, hook: Hook, call: Callable, *args) -> None:
+    if hook.phase is None:
+      call(*args)
+      return
+    with self.clock.measure(hook.phase):
+      call(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,7 +133,10 @@ class MetricsHook(Hook):
   """Hands each step's device metrics to the writer, which writes them one step late; the rest at the end."""
 
   def __init__(self, writer: MetricsWriter):
-    self.writer = writer
+    self.writer, self._loop = writer, None
+
+  def begin(self, loop: TrainLoop) -> None:
+    self._loop = loop
 
   def after_step(self, info: StepInfo) -> None:
     self.writer.add_step(info.step, info.metrics)
@@ -117,13 +145,14 @@ class MetricsHook(Hook):
     self.writer.finish()
 
   def close(self) -> None:
-    self.writer.close()
+    self.writer.close(failed=self._loop is not None and self._loop.failed)
 
 
 class EvalHook(Hook):
   """Every `every` steps and after the last: validation metrics, written after the train line that is due."""
 
   at_last = True
+  phase = "eval"
 
   def __init__(self, evaluate: Callable[[Any], dict[str, float]], writer: MetricsWriter, every: int):
     self.evaluate, self.writer, self.every = evaluate, writer, every
@@ -131,12 +160,10 @@ class EvalHook(Hook):
 
   def run(self, step: int, params: Any) -> None:
     self.writer.flush()
-    start = time.perf_counter()
     metrics = self.evaluate(params)
     if metrics:
       self.writer.write(step, metrics, prefix="val_")
       self.last = metrics
-    self.writer.exclude(time.perf_counter() - start)  # evaluation time is not training throughput
 
   def after_step(self, info: StepInfo) -> None:
     self.run(info.step, info.state["params"])
@@ -194,7 +221,10 @@ class NonFiniteHook(Hook):
 
 class CheckpointHook(Hook):
   """Saves every `every` steps (asynchronously), and at the end when the last step is not saved yet (the run's final
-  step, or the step where a stop was requested)."""
+  step, or the step where a stop was requested). Timed as the checkpoint phase: what an asynchronous save blocks
+  (the copy to host, waiting for the previous save) and, at the end, the wait for the last save to be written."""
+
+  phase = "checkpoint"
 
   def __init__(self, checkpointer: TrainCheckpointer, data_state: Callable[[], Any], every: int):
     self.checkpointer, self.data_state, self.every = checkpointer, data_state, every

@@ -1,9 +1,11 @@
-"""Training metrics out of the loop without stalling it: one line to stdout, ``metrics.jsonl`` and TensorBoard events
-in the workdir, from process 0 only.
+"""Training metrics out of the loop without stalling it: one line to stdout, ``metrics.jsonl`` in the workdir, and
+the run's trackers (TensorBoard, W&B, MLflow: trackers.py), from process 0 only.
 
 Train metrics are read one step late: a step's metrics stay on the device until the *next* step has been dispatched,
 so fetching them never leaves the device idle, and the line for a window of ``log_every`` steps is written one step
-after the window ends (loss averaged over the window; throughput and MFU from wall time between windows).
+after the window ends (loss averaged over the window; throughput and MFU from wall time between windows, less
+evaluations and compiles). Each window also carries its wall time split into phases (``time_device_s``, ``time_data_s``,
+``time_checkpoint_s``, ``time_eval_s``, ``time_compile_s``) and the run's ``goodput`` so far (goodput.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +21,8 @@ import numpy as np
 
 from llama_jax.core import paths
 from llama_jax.model.loss import perplexity
+from llama_jax.training.goodput import PHASES, GoodputLedger, StepClock
+from llama_jax.training.trackers import Tracker, log_all
 
 _log = logging.getLogger(__name__)
 
@@ -29,6 +31,16 @@ def format_value(value: float) -> str:
   if isinstance(value, int) or (abs(value) >= 1000 and float(value).is_integer()):
     return f"{int(value):,}"
   return f"{value:.4g}"
+
+
+def format_line(metrics: dict[str, float]) -> str:
+  """ "loss 3.2 | ... | goodput 0.91 | time 1.2s: device 93% data 1% ...": the window's time split as shares."""
+  times = {k[len("time_") : -len("_s")]: v for k, v in metrics.items() if k.startswith("time_")}
+  line = " | ".join(f"{k} {format_value(v)}" for k, v in metrics.items() if not k.startswith("time_"))
+  total = sum(times.values())
+  if total > 0:
+    line += f" | time {total:.3g}s: " + " ".join(f"{phase} {seconds / total:.0%}" for phase, seconds in times.items())
+  return line
 
 
 class MetricsWriter:
@@ -45,18 +57,15 @@ class MetricsWriter:
     flops_per_step: float,
     peak_flops: float,
     start_step: int,
+    clock: StepClock | None = None,
+    ledger: GoodputLedger | None = None,
+    trackers: list[Tracker] = (),
     echo: Callable[[str], None] | None = None,
   ):
     self.enabled, self.echo = enabled, echo or functools.partial(print, flush=True)
     self._jsonl = str(paths.path(workdir, paths.METRICS_FILE))
-    self._tensorboard = None
-    if enabled:
-      try:
-        from tensorboardX import SummaryWriter
-
-        self._tensorboard = SummaryWriter(str(paths.path(workdir, "tensorboard")))
-      except ImportError as e:  # tensorboardX itself, or google-cloud-storage for a gs:// workdir
-        _log.warning("no TensorBoard events: %s", e)
+    self.trackers = list(trackers) if enabled else []
+    self.clock, self.ledger = clock or StepClock(), ledger  # no ledger: no goodput (tests of the windows alone)
     self._log_every, self._tokens_per_step = log_every, tokens_per_step
     self._flops_per_step, self._peak_flops = flops_per_step, peak_flops
     self._pending: list[tuple[int, dict[str, Any]]] = []  # (step, device metrics) not yet fetched
@@ -67,13 +76,10 @@ class MetricsWriter:
   def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
     if not self.enabled:
       return
-    paths.append_line(self._jsonl, json.dumps({"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}))
-    if self._tensorboard is not None:
-      for key, value in metrics.items():
-        if math.isfinite(value):  # a skipped step's NaN stays in metrics.jsonl; TensorBoard would only warn
-          self._tensorboard.add_scalar(f"{prefix}{key}", value, step)
-      self._tensorboard.flush()
-    self.echo(f"step {step:>6d} | " + " | ".join(f"{prefix}{k} {format_value(v)}" for k, v in metrics.items()))
+    named = {f"{prefix}{k}": v for k, v in metrics.items()}
+    paths.append_line(self._jsonl, json.dumps({"step": step, **named}))
+    log_all(self.trackers, step, named)
+    self.echo(f"step {step:>6d} | " + format_line(named))
 
   def add_step(self, step: int, device_metrics: dict[str, Any]) -> None:
     """Step `step` has been dispatched: the window due at the step before is written now."""
@@ -95,20 +101,22 @@ class MetricsWriter:
 
   def restart_clock(self, step: int) -> None:
     """Throughput counts from here, step `step` (the run's start or resume)."""
-    self._window_start, self._window_step = time.perf_counter(), step
+    self.clock.restart()
+    self._window_step = step
 
-  def exclude(self, seconds: float) -> None:
-    """Leaves `seconds` (an evaluation's) out of the current window's time: they are not training throughput. The
-    window keeps its steps; restarting the clock instead lost the steps pending since the last line, and a run whose
-    last step was evaluated before its last line was written then divided by zero steps at the end."""
-    self._window_start += seconds
+  def end_session(self, step: int) -> None:
+    """The run is over (its last save done): the time since the last line goes into goodput.json."""
+    if self.enabled and self.ledger is not None:
+      self.ledger.add(step, self.clock.take_window())
 
   def _write_window(self, until: int) -> None:
     fetched = jax.device_get([m for s, m in self._pending if s <= until])
     self._pending = [(s, m) for s, m in self._pending if s > until]
     self._due = None
-    now = time.perf_counter()
-    elapsed, steps = now - self._window_start, until - self._window_step
+    window = self.clock.take_window()  # seconds per phase, summing to the window's wall time
+    elapsed, steps = sum(window.values()), until - self._window_step
+    # Throughput is training's: evaluations and compiles are not (each has its own share in the time split).
+    training = max(elapsed - window["eval"] - window["compile"], 1e-9)
     finite_losses = [m["loss"] for m in fetched if not m.get("nonfinite", 0)]
     loss = float(np.mean(finite_losses)) if finite_losses else float("nan")
     skipped = sum(int(m.get("nonfinite", 0)) for m in fetched)
@@ -120,17 +128,24 @@ class MetricsWriter:
       **{k: float(np.mean([m[k] for m in finite])) if finite else float("nan") for k in extra},
       grad_norm=float(fetched[-1]["grad_norm"]),
       lr=float(fetched[-1]["lr"]),
-      tokens_per_s=self._tokens_per_step * steps / elapsed,
-      step_time_s=elapsed / steps,
-      mfu=self._flops_per_step * steps / elapsed / self._peak_flops,
+      tokens_per_s=self._tokens_per_step * steps / training,
+      step_time_s=training / steps,
+      mfu=self._flops_per_step * steps / training / self._peak_flops,
     )
     if "pairs" not in fetched[-1]:  # exp of a DPO loss is no perplexity
       self.last_train["perplexity"] = perplexity(loss)
     if skipped:  # steps of this window that were not applied (non-finite loss or gradients)
       self.last_train["skipped_steps"] = skipped
+    if self.enabled and self.ledger is not None:
+      self.last_train["goodput"] = self.ledger.add(until, window)
+    self.last_train.update({f"time_{phase}_s": window[phase] for phase in PHASES})
     self.write(until, self.last_train)
-    self._window_start, self._window_step = now, until
+    self._window_step = until
 
-  def close(self) -> None:
-    if self._tensorboard is not None:
-      self._tensorboard.close()
+  def close(self, failed: bool = False) -> None:
+    """Ends the trackers' runs (`failed`: the run stopped on an error, which W&B and MLflow then show)."""
+    for tracker in self.trackers:
+      try:
+        tracker.close(failed)
+      except Exception as error:  # noqa: BLE001 (a tracker's last flush must not hide the run's own outcome)
+        _log.warning("%s: could not end its run (%s: %s)", tracker.name, type(error).__name__, error)

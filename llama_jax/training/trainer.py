@@ -9,8 +9,10 @@ with the same data order, and reaches bit-identical parameters. ``python -m llam
 from __future__ import annotations
 
 import functools
+import json
 import math
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +38,9 @@ from llama_jax.model import lora as lora_lib
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
 from llama_jax.model.loss import summarize_dpo, summarize_eval
+from llama_jax.training import trackers
 from llama_jax.training.flops import flops_per_token, peak_flops_per_device
+from llama_jax.training.goodput import GoodputLedger, StepClock
 from llama_jax.training.loop import (
   CheckpointHook,
   EvalHook,
@@ -280,9 +284,11 @@ def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ())
   """Trains (or resumes) a run in `workdir`; returns the last train and validation metrics. `hooks` run after the
   run's own, after every step (tests inject faults this way). The workdir is locked for the run (workdir_lock.py): a
   second run on it stops with one line naming this one."""
+  started = time.perf_counter()  # the session's start, for goodput.json
   lock = workdir_lock.WorkdirLock(workdir)
   try:
     run_config = run_config_from(run_config)  # every value is checked before anything is written
+    trackers.check_available(run_config.train.trackers)
     distributed.maybe_initialize_distributed()
     trainer = Trainer(run_config.model, run_config, sharding.make_mesh(run_config.mesh))  # mesh and shapes too
     lock.acquire()  # creates the workdir, before anything else is written there (metadata, data, metrics, checkpoints)
@@ -293,7 +299,7 @@ def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ())
       async_save=run_config.train.async_save,
     )
     run_data, token_bytes = _prepare_workdir(trainer, checkpointer, workdir)
-    return _run_loop(trainer, checkpointer, run_data, token_bytes, workdir, hooks)
+    return _run_loop(trainer, checkpointer, run_data, token_bytes, workdir, hooks, started)
   finally:
     lock.release()
 
@@ -326,20 +332,36 @@ def _run_loop(
   token_bytes: jax.Array,
   workdir: str,
   hooks: Sequence[Hook],
+  started: float,
 ) -> dict[str, Any]:
-  """Restores or initialises the state and runs the loop with the run's hooks, then `hooks`."""
+  """Restores or initialises the state and runs the loop with the run's hooks, then `hooks`. `started`: the
+  session's start (perf_counter), from which goodput counts."""
   run_config, model_cfg, train_cfg = trainer.run_config, trainer.model_cfg, trainer.run_config.train
   is_main = distributed.is_main_process()
   data_iter = iter(run_data.dataset)
   state, start = _restore_or_init(trainer, checkpointer, data_iter, run_config)
   progress = ProgressHook(start, train_cfg.steps) if is_main and sys.stderr.isatty() else None
   echo = progress.bar.write if progress is not None else functools.partial(print, flush=True)
+  clock, ledger = StepClock(), GoodputLedger(workdir, start, started, is_main)
+  sinks = []
+  if is_main:
+    sinks = trackers.open_trackers(
+      train_cfg.trackers,
+      workdir,
+      json.loads(run_config.to_json()),
+      project=train_cfg.tracker_project,
+      run_name=train_cfg.run_name,
+      mlflow_tracking_uri=train_cfg.mlflow_tracking_uri,
+    )
   writer = MetricsWriter(
     workdir,
     is_main,
     log_every=train_cfg.log_every,
     echo=echo,
     start_step=start,
+    clock=clock,
+    ledger=ledger,
+    trackers=sinks,
     tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
     flops_per_step=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
     peak_flops=peak_flops_per_device(train_cfg.peak_flops_per_device) * jax.device_count(),
@@ -359,7 +381,7 @@ def _run_loop(
   if is_main:
     echo(_start_line(trainer, run_data, start, fine_tune_start))
   loop = TrainLoop(
-    lambda s, b: trainer.train_step(s, trainer.global_batch(b)), data_iter, state, start, train_cfg.steps
+    lambda s, b: trainer.train_step(s, trainer.global_batch(b)), data_iter, state, start, train_cfg.steps, clock
   )
   run_hooks = [
     progress,
@@ -375,9 +397,13 @@ def _run_loop(
   for hook in run_hooks:
     if hook is not None:
       loop.add_hook(hook)
+  ledger.startup_done()
+  writer.restart_clock(start)
   if fine_tune_start and train_cfg.eval_every:
-    evaluator.run(0, state["params"])  # the starting point of a fine-tune, for a before/after comparison
+    with clock.measure("eval"):
+      evaluator.run(0, state["params"])  # the starting point of a fine-tune, for a before/after comparison
   loop.run()
+  writer.end_session(loop.step)
   return dict(step=loop.step, train=writer.last_train, val=evaluator.last)
 
 
