@@ -135,6 +135,9 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._stopping = False
     self.stats = collections.Counter()
+    # Called from the engine's thread after each device call with ("prefill" | "decode", seconds, tokens computed):
+    # the server's metrics. Both calls end in a device_get, so the seconds are the device's, not a dispatch's.
+    self.step_observers: list[Callable[[str, float, int], None]] = []
 
   # ---- programs ----
 
@@ -325,7 +328,9 @@ class Engine:
     if not any(r is not None for r in self._slot_requests):
       return admitted
     busy = np.asarray([r is not None for r in self._slot_requests])
+    start = time.perf_counter()
     out = self._run_rows(self._rows_to_run(), busy)
+    self._observe("decode", time.perf_counter() - start, int(out["emitted"].sum()))
     self.stats["steps"] += int(out["emitted"].any(axis=1).sum())
     for slot, request in enumerate(self._slot_requests):
       if request is None:
@@ -346,6 +351,10 @@ class Engine:
     with sharding.activate(self.sampler.mesh, self.sampler.rules):
       self.state, out = program(self.sampler.params, self.state, jax.device_put(busy, self._replicated))
     return jax.device_get(out)
+
+  def _observe(self, kind: str, seconds: float, tokens: int) -> None:
+    for observer in self.step_observers:
+      observer(kind, seconds, tokens)
 
   def _hand_out(self, slot: int, request: Request, tokens: list[int], logprobs, top) -> None:
     """A running request's new tokens: delivered, and the request finished at eos or at max_tokens. eos is not part
@@ -419,7 +428,9 @@ class Engine:
     """Prefills the requests into free slots and hands out their first tokens (a max_tokens 0 request ends
     there, with its prompt's log-probabilities when asked)."""
     slots = [slot for slot, r in enumerate(self._slot_requests) if r is None][: len(requests)]
+    start = time.perf_counter()
     out = self._insert_batch(requests, slots, score_prompt=requests[0].prompt_logprobs)
+    self._observe("prefill", time.perf_counter() - start, sum(len(r.prompt) for r in requests))
     self.stats["prefill_calls"] += 1
     for row, (request, slot) in enumerate(zip(requests, slots)):
       n = len(request.prompt)

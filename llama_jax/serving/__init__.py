@@ -1,5 +1,5 @@
-"""Serving: the OpenAI API's request fields, the FastAPI application with its chat page, and the runs through the
-engine as JSON or server-sent events. Imports inference and below (the ``serve`` extra)."""
+"""Serving: the OpenAI API's request fields, the FastAPI application with its chat page, the runs through the engine
+as JSON or server-sent events, and its Prometheus metrics. Imports inference and below (the ``serve`` extra)."""
 
 from llama_jax.core.lazy import exports
 

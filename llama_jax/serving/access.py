@@ -10,8 +10,9 @@ In order, each a refusal in OpenAI's error shape:
        send a "simple" cross-origin POST (no preflight) to a loopback port; browsers always name its origin. CORS
        preflights (``OPTIONS``) are answered for allowed origins only, and their responses carry
        ``Access-Control-Allow-Origin``;
-  401  a missing or wrong key on any ``/v1/`` route when a key is set, taken from ``Authorization: Bearer KEY`` or
-       ``x-api-key: KEY`` (never from the URL, which lands in logs) and compared in constant time;
+  401  a missing or wrong key on any ``/v1/`` route and on ``/metrics`` when a key is set, taken from
+       ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (never from the URL, which lands in logs) and compared in
+       constant time;
   415  a POST whose ``Content-Type`` is not ``application/json``: ``text/plain``, form encodings and a missing type
        are exactly what a browser may send cross-origin without asking first;
   413  a ``Content-Length`` over the body limit (a body that turns out longer is cut off by the handler).
@@ -147,7 +148,7 @@ class Guard:
       )
     if scope["method"] == "OPTIONS":
       return  # a preflight carries no key and no body
-    if access.api_key and path.startswith("/v1/") and not access.key_matches(headers):
+    if access.api_key and (path.startswith("/v1/") or path == "/metrics") and not access.key_matches(headers):
       raise ApiError(
         401, "a valid API key is required: Authorization: Bearer KEY, or x-api-key: KEY", code="invalid_api_key"
       )

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP application over the continuous-batching engine, with a web chat page at `/`.
 
-Endpoints: GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions (both stream as
-server-sent events with `"stream": true`), GET / (the chat page). Errors come in OpenAI's shape with 400 (a bad
-value, named with its allowed range; a prompt + max_tokens beyond the context), 401 (missing or wrong key when an
-API key is set), 403 (a foreign Host or Origin), 404 (unknown model or route), 413 (a body over the limit) and 415 (a
-body not sent as JSON); access.py checks who may call before any handler runs. The request fields are checked by
-protocol.py; the runs through the engine and the responses are streaming.py's.
+Endpoints: GET /v1/models, GET /health, POST /v1/completions, POST /v1/chat/completions (both stream as server-sent
+events with `"stream": true`), GET / (the chat page), GET /metrics (Prometheus' text format: metrics.py). Errors come
+in OpenAI's shape with 400 (a bad value, named with its allowed range; a prompt + max_tokens beyond the context), 401
+(missing or wrong key when an API key is set), 403 (a foreign Host or Origin), 404 (unknown model or route), 413 (a
+body over the limit) and 415 (a body not sent as JSON); access.py checks who may call before any handler runs. The
+request fields are checked by protocol.py; the runs through the engine and the responses are streaming.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ try:
   from fastapi import FastAPI
   from fastapi import Request as HttpRequest
   from fastapi.exceptions import RequestValidationError
-  from fastapi.responses import HTMLResponse, JSONResponse
+  from fastapi.responses import HTMLResponse, JSONResponse, Response
   from starlette.exceptions import HTTPException
   from starlette.requests import ClientDisconnect
 except ImportError as error:  # pragma: no cover - the message is the point
@@ -26,6 +26,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from llama_jax.inference.engine import Engine
 from llama_jax.serving.access import Access, Guard
+from llama_jax.serving.metrics import Instrument, ServerMetrics
 from llama_jax.serving.protocol import (
   MAX_CHOICES,
   ApiError,
@@ -52,6 +53,24 @@ class _Endpoints:
     self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
     self.max_body_bytes, self.created = max_body_bytes, int(time.time())
     self.stream_buffer_tokens = stream_buffer_tokens
+    self.metrics = ServerMetrics(engine)
+
+  async def respond(self, request: HttpRequest, runs, sampling, chat_api: bool):
+    check_context(self.engine, runs)
+    return await respond(
+      self.engine,
+      request,
+      runs,
+      sampling,
+      chat_api=chat_api,
+      model_name=self.model_name,
+      buffer=self.stream_buffer_tokens,
+      metrics=self.metrics,
+    )
+
+  async def prometheus(self):
+    body, content_type = self.metrics.exposition()
+    return Response(body, media_type=content_type)
 
   async def read_json(self, request: HttpRequest) -> dict:
     body = bytearray()
@@ -116,11 +135,8 @@ class _Endpoints:
       message = f"n: {len(prompts)} prompts × n {sampling.n} is more than the {MAX_CHOICES} choices of one request"
       raise ApiError(400, message, "n", "invalid_value")
     jobs = [(i, prompt) for prompt in prompts for i in range(sampling.n)]
-    runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset=i) for i, prompt in jobs]
-    check_context(engine, runs)
-    return await respond(
-      engine, request, runs, sampling, chat_api=False, model_name=self.model_name, buffer=self.stream_buffer_tokens
-    )
+    runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, i, self.metrics) for i, prompt in jobs]
+    return await self.respond(request, runs, sampling, chat_api=False)
 
   async def chat_completions(self, request: HttpRequest):
     body = await self.read_json(request)
@@ -133,11 +149,10 @@ class _Endpoints:
       max_tokens = max(engine.max_len - len(prompt), 1)
     if max_tokens == 0:
       raise ApiError(400, "max_tokens: must be ≥ 1", "max_tokens", "invalid_value")
-    runs = [Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, False, i) for i in range(sampling.n)]
-    check_context(engine, runs)
-    return await respond(
-      engine, request, runs, sampling, chat_api=True, model_name=self.model_name, buffer=self.stream_buffer_tokens
-    )
+    runs = [
+      Run(engine, tokenizer, prompt, max_tokens, sampling, top_n, False, i, self.metrics) for i in range(sampling.n)
+    ]
+    return await self.respond(request, runs, sampling, chat_api=True)
 
 
 async def _api_error(_, error: ApiError):
@@ -186,5 +201,7 @@ def create_app(
   app.add_api_route("/", endpoints.page, methods=["GET"], response_class=HTMLResponse)
   app.add_api_route("/v1/completions", endpoints.completions, methods=["POST"])
   app.add_api_route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"])
+  app.add_api_route("/metrics", endpoints.prometheus, methods=["GET"])
   app.add_middleware(Guard, access=access, error_response=error_response)
+  app.add_middleware(Instrument, metrics=endpoints.metrics)  # added last: outermost, so refusals are counted too
   return app

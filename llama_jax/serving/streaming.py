@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from llama_jax.inference.engine import Engine, EngineError, Output, Request
+from llama_jax.serving.metrics import ServerMetrics, TokenTimer
 from llama_jax.serving.protocol import ApiError, Choice, prompt_logprobs
 
 
@@ -32,8 +33,10 @@ def check_context(engine: Engine, runs) -> None:
 class Run:
   """One choice: its engine request, the queue the engine thread fills, and the text built from it."""
 
-  def __init__(self, engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset):
+  def __init__(self, engine, tokenizer, prompt, max_tokens, sampling, top_n, echo, seed_offset, metrics=None):
     self.engine, self.tokenizer, self.prompt, self.echo = engine, tokenizer, prompt, echo
+    self.metrics: ServerMetrics | None = metrics
+    self.timer: TokenTimer | None = None
     self.top_n, self.copy = top_n, seed_offset  # copy i of the same prompt (n > 1)
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
     self.request = Request(
@@ -63,9 +66,13 @@ class Run:
   def start(self, loop, buffer: int | None = None) -> None:
     """Submits the request; with `buffer`, it is cancelled once more than that many of its tokens wait unsent."""
     self.queue, self.loop, self.buffer = asyncio.Queue(), loop, buffer
+    if self.metrics is not None:
+      self.timer = TokenTimer(self.metrics)
     self.engine.submit(self.request)
 
   def _on_output(self, output: Output) -> None:  # the engine's thread
+    if self.timer is not None:
+      self.timer.arrived(len(output.tokens))
     try:
       self.loop.call_soon_threadsafe(self._arrive, output)
     except RuntimeError:  # the event loop is closed (server shutting down): nobody is waiting
@@ -264,7 +271,7 @@ def tokens_within(listing, end_offset: int) -> int:
   return sum(1 for offset in listing.text_offset if offset < end_offset)
 
 
-async def sse(events: AsyncIterator[dict], runs, engine) -> AsyncIterator[bytes]:
+async def sse(events: AsyncIterator[dict], runs, metrics: ServerMetrics | None) -> AsyncIterator[bytes]:
   """Server-sent events ending with `data: [DONE]`; when the client goes away (the generator is closed), every
   run still going is cancelled and its slot freed."""
   try:
@@ -274,10 +281,20 @@ async def sse(events: AsyncIterator[dict], runs, engine) -> AsyncIterator[bytes]
   finally:
     for run in runs:
       run.cancel()
+    if metrics is not None:
+      metrics.count_usage(usage(runs))
 
 
 async def respond(
-  engine: Engine, http_request, runs, sampling, *, chat_api: bool, model_name: str, buffer: int = STREAM_BUFFER_TOKENS
+  engine: Engine,
+  http_request,
+  runs,
+  sampling,
+  *,
+  chat_api: bool,
+  model_name: str,
+  buffer: int = STREAM_BUFFER_TOKENS,
+  metrics: ServerMetrics | None = None,
 ):
   """Starts every run of a request and answers it: a JSON response once all are done, or with `stream` a stream of
   server-sent events as tokens arrive. A client that goes away cancels its runs; so does a streaming client that
@@ -294,12 +311,14 @@ async def respond(
     raise ApiError(503, str(error), code=error.code or "engine_error") from None
   if sampling.stream:
     events = stream_chunks(runs, response_id, kind, chat_api, model_name, sampling.include_usage)
-    return StreamingResponse(sse(events, runs, engine), media_type="text/event-stream")
+    return StreamingResponse(sse(events, runs, metrics), media_type="text/event-stream")
   try:
     await wait_all(http_request, runs)
   finally:
     for run in runs:
       run.cancel()
+    if metrics is not None:
+      metrics.count_usage(usage(runs))
   errors = [run.error for run in runs if run.error]
   if errors:
     raise ApiError(500, f"the engine failed: {errors[0]}", code="engine_error")
