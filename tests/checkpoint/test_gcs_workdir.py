@@ -100,6 +100,10 @@ def test_the_bucket_holds_a_self_describing_workdir(emulator, remote, straight):
   steps = {r["step"] for r in read_jsonl_remote(emulator, "run/metrics.jsonl") if "loss" in r}
   assert steps == set(range(1, 13))  # the killed run's lines up to 8, the rerun's from 5 on
   assert "taking over the lock of workdir 'gs://ljx/run'" in remote["rerun"].stderr
+  # goodput.json in the bucket: the killed session, and the rerun from step 4, which trained the steps past 4 again.
+  killed, rerun = json.loads(emulator.fs.cat(f"{emulator.bucket}/run/goodput.json"))["sessions"]
+  assert (killed["start_step"], rerun["start_step"], rerun["step"]) == (0, 4, 12) and killed["step"] > 4
+  assert killed["lost_s"] > 0 and rerun["lost_s"] == 0
   bucket_config = json.loads(emulator.fs.cat(f"{emulator.bucket}/run/model_config.json"))
   with open(os.path.join(straight, "model_config.json")) as f:
     assert bucket_config == json.load(f)
