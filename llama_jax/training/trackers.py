@@ -144,7 +144,7 @@ class MlflowTracker(Tracker):
       self._run_id = self._client.create_run(
         experiment_id, run_name=run_name, tags={"llama_jax.workdir": paths.absolute(workdir)}
       ).info.run_id
-      params = [Param(k, json.dumps(v)[:_MLFLOW_PARAM_CHARS]) for k, v in sorted(flatten(config).items())]
+      params = [Param(k, _param_text(v)) for k, v in sorted(flatten(config).items())]
       for i in range(0, len(params), _MLFLOW_BATCH):
         self._client.log_batch(self._run_id, params=params[i : i + _MLFLOW_BATCH])
     self._pending: list[Any] = []
@@ -153,13 +153,19 @@ class MlflowTracker(Tracker):
   def log(self, step: int, metrics: dict[str, float]) -> None:
     now = int(time.time() * 1000)
     batch = [self._metric(key, float(value), now, step) for key, value in metrics.items()]
-    self._pending.append(self._client.log_batch(self._run_id, metrics=batch, synchronous=False))
-    self._pending = [op for op in self._pending if op is not None]
+    operation = self._client.log_batch(self._run_id, metrics=batch, synchronous=False)
+    if operation is not None:
+      self._pending.append(operation)
 
   def close(self, failed: bool = False) -> None:
     for operation in self._pending:
       operation.wait()
     self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _param_text(value: Any) -> str:
+  """An MLflow param: strings as they are, other values as JSON (a tuple as [..]), cut to MLflow's longest."""
+  return (value if isinstance(value, str) else json.dumps(value))[:_MLFLOW_PARAM_CHARS]
 
 
 def open_trackers(

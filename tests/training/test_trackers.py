@@ -67,6 +67,8 @@ def test_wandb_and_mlflow_receive_what_metrics_jsonl_holds_and_a_resume_continue
     got = [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)]
     assert got == expected, name  # the same float64s: MLflow keeps a value as written
   assert run.data.params["train.lr"] == "0.01" and run.data.params["model.dim"] == "32"
+  assert run.data.params["train.trackers"] == '["tensorboard", "wandb", "mlflow"]'
+  assert run.data.params["train.run_name"] == "micro"  # a string as it is, not quoted
   assert run.data.params["train.steps"] == "8"  # MLflow params are immutable: the first session's
   assert run.data.tags["llama_jax.workdir"] == str(workdir)
 
