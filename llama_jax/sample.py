@@ -99,7 +99,7 @@ def _complete_prompts(args) -> None:
   sampler.validate(encoded, args.max_new_tokens)
   _report(sampler)
   if args.stream == "yes" or (args.stream == "auto" and sys.stdout.isatty() and len(prompts) == 1):
-    printer = TextStream(tokenizer, encoded[0], {tokenizer.eos_id})
+    printer = TextStream(tokenizer, encoded[0], set(tokenizer.stop_ids))
     sampler.generate(encoded, args.max_new_tokens, sampling, args.seed, chunk=8, on_tokens=printer)
     sys.stdout.write("\n")
     return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from llama_jax.checkpoint.digests import CheckpointError, checked_step, restore_
 from llama_jax.core import paths
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenizer import Tokenizer, load_tokenizer_dir
 from llama_jax.model import lora, sharding
 from llama_jax.model.llama import Llama
 
@@ -61,11 +62,12 @@ def read_model_config(directory: str) -> ModelConfig:
 
 
 def load_tokenizer(directory: str, purpose: str) -> Tokenizer:
-  """The tokenizer a checkpoint directory holds (local or remote), or CheckpointError naming what needs it."""
-  path = paths.path(directory, paths.TOKENIZER_FILE)
-  if not path.is_file():
+  """The tokenizer a checkpoint directory holds (local or remote) with its generation config's stop tokens, or
+  CheckpointError naming what needs it."""
+  tokenizer = load_tokenizer_dir(directory)
+  if tokenizer is None:
     raise CheckpointError(f"{directory!r} has no {paths.TOKENIZER_FILE}; {purpose}")
-  return Tokenizer(paths.local_file(str(path)))
+  return tokenizer
 
 
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
@@ -87,9 +89,15 @@ def check_same_model(init_from: str, model_cfg: ModelConfig) -> None:
 
 
 def save_params_dir(
-  directory: str, cfg: ModelConfig, params: Any, step: int = 0, tokenizer_path: str | None = None
+  directory: str,
+  cfg: ModelConfig,
+  params: Any,
+  step: int = 0,
+  tokenizer_path: str | None = None,
+  extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
-  """Writes a new checkpoint directory holding only parameters (conversion output). Refuses a non-empty directory.
+  """Writes a new checkpoint directory holding only parameters (conversion output), the tokenizer at
+  `tokenizer_path` and `extra_files` (name → bytes: the generation config). Refuses a non-empty directory.
 
   Adds next to nothing to the memory `params` hold: orbax's defaults would deep-copy every numpy array and keep the
   zstd-compressed copies until the commit, about twice the model on top of it (measured by bench/convert_memory.py).
@@ -101,6 +109,8 @@ def save_params_dir(
   (out / paths.CONFIG_FILE).write_text(cfg.to_json())
   if tokenizer_path:
     (out / paths.TOKENIZER_FILE).write_bytes(epath.Path(tokenizer_path).read_bytes())
+  for name, content in (extra_files or {}).items():
+    (out / name).write_bytes(content)
   handlers = ocp.type_handlers.create_type_handler_registry(
     (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
     (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -73,17 +74,15 @@ class TrainCheckpointer:
         f"({', '.join(differences)}); use a new --workdir or the saved model config"
       )
 
-  def write_metadata(self, cfg: ModelConfig, run_config_json: str, tokenizer_bytes: bytes | None) -> None:
-    """Process 0 only: the files that make the workdir self-describing, each written whole then renamed."""
+  def write_metadata(self, cfg: ModelConfig, run_config_json: str, tokenizer_files: Mapping[str, bytes]) -> None:
+    """Process 0 only: the files that make the workdir self-describing (model and run config, the tokenizer's files),
+    each written whole then renamed."""
     workdir = epath.Path(self.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for name, content in (
-      (paths.CONFIG_FILE, cfg.to_json()),
-      (paths.RUN_CONFIG_FILE, run_config_json),
-      (paths.TOKENIZER_FILE, tokenizer_bytes),
-    ):
-      if content is not None:
-        paths.write_atomically(workdir / name, content)
+    for name, content in ((paths.CONFIG_FILE, cfg.to_json()), (paths.RUN_CONFIG_FILE, run_config_json)):
+      paths.write_atomically(workdir / name, content)
+    for name, content in tokenizer_files.items():
+      paths.write_atomically(workdir / name, content)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

@@ -32,6 +32,9 @@ from etils import epath
 CONFIG_FILE = "model_config.json"
 RUN_CONFIG_FILE = "run_config.json"
 TOKENIZER_FILE = "tokenizer.model"
+# HF's generation settings; its eos_token_id (one id or a list: Llama 3 instruct ends turns with <|eot_id|>) stops
+# decoding. Travels with the tokenizer: conversion, training workdirs and exports copy it.
+GENERATION_CONFIG_FILE = "generation_config.json"
 LORA_FILE = "lora.json"
 REFERENCE_FILE = "reference.json"  # a full (not LoRA) DPO workdir's record of its reference model
 METRICS_FILE = "metrics.jsonl"

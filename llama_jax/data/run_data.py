@@ -15,7 +15,7 @@ from llama_jax.core import distributed, paths
 from llama_jax.core.run_config import RunConfig
 from llama_jax.data import preference, sft, sources, text
 from llama_jax.data.prepared import PackedRows
-from llama_jax.data.tokenizer import Tokenizer, train_tokenizer
+from llama_jax.data.tokenizer import Tokenizer, load_tokenizer_dir, train_tokenizer
 
 
 @dataclasses.dataclass
@@ -32,8 +32,9 @@ def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[
   if run_config.data.tokenizer:
     return Tokenizer(paths.local_file(run_config.data.tokenizer))
   for directory in (workdir, run_config.init_from):
-    if directory and paths.path(directory, paths.TOKENIZER_FILE).is_file():
-      return Tokenizer(paths.local_file(str(paths.path(directory, paths.TOKENIZER_FILE))))
+    tokenizer = load_tokenizer_dir(directory) if directory else None
+    if tokenizer is not None:
+      return tokenizer
   if jax.process_count() > 1:
     raise sources.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
   corpus_dir = paths.local_dir(workdir, "tokenizer")

@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import glob
 import io
+import json
 import logging
 import os
 import re
@@ -21,7 +22,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
+from llama_jax.core.paths import GENERATION_CONFIG_FILE, TOKENIZER_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,12 @@ class TokenizerError(LlamaJaxError, ValueError):
 
 
 class Tokenizer:
-  """Encodes text to token ids and back with a sentencepiece model."""
+  """Encodes text to token ids and back with a sentencepiece model.
 
-  def __init__(self, model_path: str):
+  `generation_config` is the raw ``generation_config.json`` that came with it, if any: its ``eos_token_id`` (an id
+  or a list) adds stop tokens to eos (``stop_ids``), and the bytes travel on with the tokenizer (``files``)."""
+
+  def __init__(self, model_path: str, generation_config: bytes | None = None, generation_config_name: str = ""):
     if not os.path.isfile(model_path):
       raise TokenizerError(f"tokenizer model {model_path!r} does not exist")
     try:
@@ -43,6 +49,21 @@ class Tokenizer:
     except (RuntimeError, OSError) as e:
       raise TokenizerError(f"{model_path!r} is not a sentencepiece model: {e}") from e
     self.path = model_path
+    self._generation_config = generation_config
+    name = generation_config_name or os.path.join(os.path.dirname(model_path), GENERATION_CONFIG_FILE)
+    self._extra_stops = _generation_stop_ids(generation_config, self.vocab_size, name)
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every token that ends a generation: eos and the generation config's eos_token_id entries, sorted."""
+    return tuple(sorted({self.eos_id, *self._extra_stops} - {-1}))
+
+  def files(self) -> dict[str, bytes]:
+    """The files that make up this tokenizer in a checkpoint directory, by name (to copy it into one)."""
+    files = {TOKENIZER_FILE: self.serialized()}
+    if self._generation_config is not None:
+      files[GENERATION_CONFIG_FILE] = self._generation_config
+    return files
 
   def __repr__(self) -> str:
     return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -126,6 +147,37 @@ class Tokenizer:
   def serialized(self) -> bytes:
     """The model proto, byte for byte what a ``.model`` file holds (to copy into checkpoint directories)."""
     return self._sp.serialized_model_proto()
+
+
+def load_tokenizer_dir(directory: str) -> Tokenizer | None:
+  """The tokenizer of a checkpoint or model directory (local or remote) with its generation config, or None when it
+  holds no tokenizer."""
+  model = paths.path(directory, TOKENIZER_FILE)
+  if not model.is_file():
+    return None
+  generation = paths.path(directory, GENERATION_CONFIG_FILE)
+  if not generation.is_file():
+    return Tokenizer(paths.local_file(str(model)))
+  return Tokenizer(paths.local_file(str(model)), generation.read_bytes(), str(generation))
+
+
+def _generation_stop_ids(raw: bytes | None, vocab_size: int, name: str) -> tuple[int, ...]:
+  """eos_token_id of a generation_config.json (absent, null, an id or a list of ids), each checked against the
+  vocabulary: a stop id the model cannot emit would be a silent no-op, one out of range a wrong file."""
+  if raw is None:
+    return ()
+  try:
+    config = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise TokenizerError(f"{name} is not valid JSON: {e}") from e
+  value = config.get("eos_token_id") if isinstance(config, dict) else None
+  ids = [] if value is None else value if isinstance(value, list) else [value]
+  for token_id in ids:
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+      raise TokenizerError(
+        f"{name}: eos_token_id {value!r} must be an id or a list of ids in [0, {vocab_size}) (the vocabulary)"
+      )
+  return tuple(ids)
 
 
 def decode_utf8_counting(data: bytes) -> tuple[str, int]:

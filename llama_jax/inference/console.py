@@ -63,7 +63,7 @@ def chat_session(
     if encoded.truncated:
       print("[this message is longer than the context window: its beginning was cut]", file=sys.stderr)
     if interactive:
-      printer = TextStream(tokenizer, [], {tokenizer.eos_id})
+      printer = TextStream(tokenizer, [], set(tokenizer.stop_ids))
       reply_ids = sampler.generate(
         [encoded.tokens], max_new_tokens, sampling, seed + turn_index, chunk=8, on_tokens=printer
       )[0]

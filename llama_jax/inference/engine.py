@@ -57,7 +57,9 @@ class Output:
   top_logprobs: list[list[tuple[int, float]]] | None = None
   finish_reason: str | None = None
   error: str | None = None  # with finish_reason "error": what failed in the engine
-  # With finish_reason "stop" and logprobs: the log-probability of the eos that ended the text, and its alternatives.
+  # With finish_reason "stop" and logprobs: the stop token that ended the text (eos or another of the model's stop
+  # ids), its log-probability and its alternatives.
+  eos_id: int | None = None
   eos_logprob: float | None = None
   eos_top_logprobs: list[tuple[int, float]] | None = None
   # Only in the first output of a request with prompt_logprobs: for prompt tokens 1..P-1, their log-probability
@@ -115,7 +117,7 @@ class Engine:
     # activations and attention scores are the prefill's memory); a prompt longer than it is prefilled alone.
     self.max_prefill_tokens = max_prefill_tokens or max(self.max_len, PREFILL_TOKENS)
     self.failure: str | None = None
-    self.eos_id = sampler.eos_id
+    self.stop_ids = sampler.stop_ids  # eos and the generation config's end-of-turn tokens
     mesh, rules = sampler.mesh, sampler.rules
     replicated = NamedSharding(mesh, PartitionSpec())
     self._state_shardings = SlotState(
@@ -161,7 +163,7 @@ class Engine:
   def _generate_program(self, rows: int):
     return jax.jit(
       functools.partial(
-        generate_steps, graphdef=self.sampler.graphdef, steps=self.steps_per_call, eos_id=self.eos_id, rows=rows
+        generate_steps, graphdef=self.sampler.graphdef, steps=self.steps_per_call, stop_ids=self.stop_ids, rows=rows
       ),
       in_shardings=(self._param_shardings, self._state_shardings, self._replicated),
       out_shardings=(self._state_shardings, self._replicated),
@@ -190,7 +192,7 @@ class Engine:
         graphdef=self.sampler.graphdef,
         cfg=self.sampler.cfg,
         score_prompt=score_prompt,
-        eos_id=self.eos_id,
+        stop_ids=self.stop_ids,
       ),
       in_shardings=(
         self._param_shardings,
@@ -360,10 +362,10 @@ class Engine:
     """A running request's new tokens: delivered, and the request finished at eos or at max_tokens. eos is not part
     of the tokens; its log-probability comes with the finishing output (loglikelihood clients count it)."""
     finish, eos = None, None
-    if tokens and tokens[-1] == self.eos_id:
+    if tokens and tokens[-1] in self.stop_ids:
       finish = "stop"
       if logprobs is not None:
-        eos = (logprobs[-1], top[-1])
+        eos = (tokens[-1], logprobs[-1], top[-1])
         logprobs, top = logprobs[:-1], top[:-1]
       tokens = tokens[:-1]
     elif request.emitted + len(tokens) >= request.max_tokens:
@@ -466,7 +468,7 @@ class Engine:
     if reason != "cancelled":
       output = Output([], finish_reason=reason)
       if eos is not None:
-        output.eos_logprob, output.eos_top_logprobs = eos
+        output.eos_id, output.eos_logprob, output.eos_top_logprobs = eos
       self._deliver(request, output)
 
   # ---- background thread ----

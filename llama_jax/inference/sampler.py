@@ -238,6 +238,7 @@ class Sampler:
     eos_id: int,
     pad_id: int | None = None,
     *,
+    stop_ids: Sequence[int] = (),
     mesh: Mesh | None = None,
     dtype: str | None = None,
     quantize: str = "none",
@@ -251,6 +252,8 @@ class Sampler:
     )
     self.rules = placement.decode_rules(self.cfg, self.mesh)
     self.eos_id = eos_id
+    # Every token that ends a row: eos and the model's other stop tokens (a generation config's eos_token_id list).
+    self.stop_ids = tuple(sorted({eos_id, *stop_ids}))
     self.pad_id = eos_id if pad_id is None or pad_id < 0 else pad_id
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(self.cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
     # "auto": the platform's (default_cache_layout); None: row-major; or an explicit major-to-minor order (tests).
@@ -305,13 +308,13 @@ class Sampler:
     chunk: int = 0,
     on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
   ) -> list[list[int]]:
-    """Each prompt's new tokens, cut after the first stop token (eos or `stop_ids`, which is kept out of the text).
+    """Each prompt's new tokens, cut after the first stop token (the sampler's or `stop_ids`; kept out of the text).
 
     With `chunk` > 0 the loop runs `chunk` tokens per call and `on_tokens(new_tokens [B, n], done [B])` sees them as
     they come (streaming); otherwise one call runs to the end.
     """
     self.validate(prompts, max_new_tokens)
-    stops = tuple(sorted({self.eos_id, *stop_ids}))
+    stops = tuple(sorted({*self.stop_ids, *stop_ids}))
     n_prompts = len(prompts)
     prompts = list(prompts) + [prompts[0]] * (placement.padded_rows(n_prompts, self.mesh) - n_prompts)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
@@ -384,7 +387,8 @@ def load_sampler(
   tokenizer = checkpoint_params.load_tokenizer(checkpoint_dir, "sampling needs one")
   mesh = mesh if mesh is not None else placement.decode_mesh(devices=jax.local_devices()[:1])
   cfg, params = placement.load_decode_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize, step=step)
-  return Sampler(cfg, params, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, mesh=mesh), tokenizer
+  stops = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, stop_ids=tokenizer.stop_ids)
+  return Sampler(cfg, params, **stops, mesh=mesh), tokenizer
 
 
 def describe_placement(sampler: Sampler) -> str:

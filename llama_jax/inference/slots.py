@@ -65,7 +65,7 @@ def insert_prompts(
   graphdef,
   cfg,
   score_prompt: bool,
-  eos_id: int,
+  stop_ids: tuple[int, ...],
 ):
   """Prefills B prompts together (right-padded to one bucket), writes each one's keys and values over its slot's
   row (rolled to end just before the write index) and starts the slots with their first sampled tokens. A row whose
@@ -116,7 +116,7 @@ def insert_prompts(
     positions=state.cache.positions.at[slots_B].set(row_positions, mode="drop"),
     index=state.cache.index,
   )
-  running_B = (max_tokens_B > 1) & (token_B != eos_id)
+  running_B = (max_tokens_B > 1) & ~jnp.isin(token_B, jnp.asarray(stop_ids))
   put = lambda a, values: a.at[slots_B].set(values.astype(a.dtype), mode="drop")  # noqa: E731
   state = SlotState(
     cache=cache,
@@ -157,7 +157,7 @@ def _set_rows(full, part, rows: int):
   return SlotState(cache=cache, **{f.name: put(getattr(full, f.name), getattr(part, f.name)) for f in _ROW_FIELDS})
 
 
-def generate_steps(params, state: SlotState, busy_B, *, graphdef, steps: int, eos_id: int, rows: int):
+def generate_steps(params, state: SlotState, busy_B, *, graphdef, steps: int, stop_ids: tuple[int, ...], rows: int):
   """Up to `steps` decode steps for every running slot (stops early when none runs) among the first `rows`: the
   scheduler fills the lowest free slot first, so under light load the busy slots are few and low, and a step over
   `rows` of them costs what a batch of `rows` costs, not one of every slot (stories15M, 16 slots, one client:
@@ -166,7 +166,7 @@ def generate_steps(params, state: SlotState, busy_B, *, graphdef, steps: int, eo
   compiled while_loop and its body, kept together for the same reason as `insert_prompts`."""
   if rows < state.token.shape[0]:
     part, out = generate_steps(
-      params, _first_rows(state, rows), busy_B[:rows], graphdef=graphdef, steps=steps, eos_id=eos_id, rows=rows
+      params, _first_rows(state, rows), busy_B[:rows], graphdef=graphdef, steps=steps, stop_ids=stop_ids, rows=rows
     )
     return _set_rows(state, part, rows), out
   model = nnx.merge(graphdef, params)
@@ -206,7 +206,7 @@ def generate_steps(params, state: SlotState, busy_B, *, graphdef, steps: int, eo
       cache=dataclasses.replace(cache, index=cache.index % columns),
       token=token_B,
       position=jnp.where(emitted_B, position_B, s.position),
-      active=emitted_B & (token_B != eos_id) & (remaining_B > 0),
+      active=emitted_B & ~jnp.isin(token_B, jnp.asarray(stop_ids)) & (remaining_B > 0),
       remaining=remaining_B,
       temperature=s.temperature,
       top_k=s.top_k,

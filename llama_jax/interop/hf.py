@@ -43,7 +43,13 @@ from llama_jax.interop.hf_config import (
   hf_value,
   model_config_from_hf,
 )
-from llama_jax.interop.output import ConvertError, check_new_output, new_output_dir, tokenizer_in
+from llama_jax.interop.output import (
+  ConvertError,
+  check_new_output,
+  generation_config_in,
+  new_output_dir,
+  tokenizer_in,
+)
 from llama_jax.interop.safetensors_stream import INDEX_FILE, row_blocks
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
@@ -353,9 +359,15 @@ def write_hf_dir(
   write_hf_metadata(out_dir, cfg, tokenizer_path)
 
 
-def write_hf_metadata(out_dir: str, cfg: ModelConfig, tokenizer_path: str | None) -> None:
+def write_hf_metadata(
+  out_dir: str, cfg: ModelConfig, tokenizer_path: str | None, extra_files: Mapping[str, bytes] | None = None
+) -> None:
+  """config.json, the tokenizer with its tokenizer_config.json, and `extra_files` (the generation config) as given."""
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config_from_model_config(cfg), f, indent=2)
+  for name, content in (extra_files or {}).items():
+    with open(os.path.join(out_dir, name), "wb") as f:
+      f.write(content)
   if tokenizer_path:
     shutil.copyfile(tokenizer_path, os.path.join(out_dir, paths.TOKENIZER_FILE))
     _write_tokenizer_config(out_dir, tokenizer_path)
@@ -387,7 +399,9 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
   with contextlib.closing(reader):
     params = _params_from_rows(cfg, reader.read_rows, lambda name: reader.entries[name].path)
   with new_output_dir(out_dir) as scratch:
-    checkpoint_params.save_params_dir(scratch, cfg, params, tokenizer_path=tokenizer_in(hf_dir))
+    checkpoint_params.save_params_dir(
+      scratch, cfg, params, tokenizer_path=tokenizer_in(hf_dir), extra_files=generation_config_in(hf_dir)
+    )
   return cfg
 
 
@@ -399,5 +413,5 @@ def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, s
   reader = checkpoint_params.open_reader(checkpoint_dir, step)
   with contextlib.closing(reader), new_output_dir(out_dir) as scratch:
     write_hf_tensors(scratch, reader.cfg, reader.read_leaf, max_shard_bytes)
-    write_hf_metadata(scratch, reader.cfg, tokenizer_in(checkpoint_dir))
+    write_hf_metadata(scratch, reader.cfg, tokenizer_in(checkpoint_dir), generation_config_in(checkpoint_dir))
   return reader.cfg

@@ -47,3 +47,10 @@ def tokenizer_in(directory: str) -> str | None:
   is copied along when there is one."""
   path = paths.path(directory, paths.TOKENIZER_FILE)
   return paths.local_file(str(path)) if path.is_file() else None
+
+
+def generation_config_in(directory: str) -> dict[str, bytes]:
+  """{generation_config.json: its bytes} when the directory being converted has one (its eos_token_id stops
+  decoding), else {}: copied along as it is."""
+  path = paths.path(directory, paths.GENERATION_CONFIG_FILE)
+  return {paths.GENERATION_CONFIG_FILE: path.read_bytes()} if path.is_file() else {}

@@ -23,7 +23,13 @@ from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
 from llama_jax.interop.hf import HF_MODULES, empty_params
 from llama_jax.interop.hf_config import check_hf_expressible
-from llama_jax.interop.output import ConvertError, check_new_output, new_output_dir, tokenizer_in
+from llama_jax.interop.output import (
+  ConvertError,
+  check_new_output,
+  generation_config_in,
+  new_output_dir,
+  tokenizer_in,
+)
 from llama_jax.model import lora as lora_lib
 
 ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetensors"
@@ -89,7 +95,8 @@ def merge_lora(checkpoint_dir: str, out_dir: str, step: int | None = None) -> Mo
       lambda path, _: reader.read_leaf(tuple(k.key for k in path)), empty_params(cfg)
     )
   with new_output_dir(out_dir) as scratch:
-    checkpoint_params.save_params_dir(scratch, cfg, params, tokenizer_path=tokenizer_in(checkpoint_dir))
+    tokenizer, generation = tokenizer_in(checkpoint_dir), generation_config_in(checkpoint_dir)
+    checkpoint_params.save_params_dir(scratch, cfg, params, tokenizer_path=tokenizer, extra_files=generation)
   return cfg
 
 

@@ -109,7 +109,7 @@ class Run:
       self.finish_reason = "stop" if output.finish_reason == "stop" else "length"
       self.choice.finish()
       if output.eos_logprob is not None:
-        self.choice.add_eos(self.engine.eos_id, output.eos_logprob, output.eos_top_logprobs)
+        self.choice.add_eos(output.eos_id, output.eos_logprob, output.eos_top_logprobs)
     return self.finish_reason is not None or output.finish_reason is not None
 
   def cancel(self) -> None:

@@ -318,7 +318,7 @@ def _prepare_workdir(trainer: Trainer, checkpointer: TrainCheckpointer, workdir:
       f"{model_cfg.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size}"
     )
   if is_main:
-    checkpointer.write_metadata(model_cfg, run_config.to_json(), tokenizer.serialized())
+    checkpointer.write_metadata(model_cfg, run_config.to_json(), tokenizer.files())
   token_bytes = jax.device_put(
     np.asarray(tokenizer.token_byte_lengths(), np.float32), NamedSharding(trainer.mesh, PartitionSpec())
   )

@@ -2,6 +2,7 @@
 and the CLI."""
 
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -12,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llama_jax.core import paths
 from llama_jax.data import tokenizer as tokenizer_lib
-from llama_jax.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from llama_jax.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer_dir, train_tokenizer
 from tests import conftest
 from tests.conftest import META_TOKENIZER as TOKENIZER_FIXTURE
 from tests.conftest import ROOT, needs_meta_tokenizer, require_meta_tokenizer, require_shakespeare
@@ -371,3 +373,29 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, case):
   assert result.stderr.startswith("error: ") and message in result.stderr
   assert result.stderr.count("\n") == 1 and result.stdout == ""
   assert (out / "tokenizer.model").read_bytes() == b"previous model"
+
+
+def test_a_generation_config_adds_stop_ids_and_travels_with_the_tokenizer(trained, tmp_path):
+  """generation_config.json's eos_token_id (an id, a list, or absent) joins eos in stop_ids; its bytes come back
+  in files() as they were read; an id outside the vocabulary or a file that is not JSON is one line naming it."""
+  directory = tmp_path / "ckpt"
+  directory.mkdir()
+  write_bytes(directory, paths.TOKENIZER_FILE, trained.serialized())
+  assert load_tokenizer_dir(str(directory)).stop_ids == (trained.eos_id,)
+  assert load_tokenizer_dir(str(tmp_path)) is None  # no tokenizer.model there
+  for value, stops in ((7, (trained.eos_id, 7)), ([9, 7], (trained.eos_id, 7, 9)), (None, (trained.eos_id,))):
+    raw = json.dumps({"eos_token_id": value, "temperature": 0.6}).encode()
+    (directory / paths.GENERATION_CONFIG_FILE).write_bytes(raw)
+    tokenizer = load_tokenizer_dir(str(directory))
+    assert tokenizer.stop_ids == stops
+    assert tokenizer.files() == {paths.TOKENIZER_FILE: trained.serialized(), paths.GENERATION_CONFIG_FILE: raw}
+  name = str(directory / paths.GENERATION_CONFIG_FILE)
+  for content, message in (
+    (json.dumps({"eos_token_id": [2, trained.vocab_size]}), f"eos_token_id [2, {trained.vocab_size}] must be"),
+    (json.dumps({"eos_token_id": "2"}), "eos_token_id '2' must be an id or a list of ids in [0, "),
+    ("{eos", "is not valid JSON"),
+  ):
+    (directory / paths.GENERATION_CONFIG_FILE).write_text(content)
+    with pytest.raises(TokenizerError) as error:
+      load_tokenizer_dir(str(directory))
+    assert str(error.value).startswith(name) and message in str(error.value), error.value

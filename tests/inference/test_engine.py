@@ -303,3 +303,20 @@ def test_an_engine_that_cannot_rebuild_its_slots_fails_every_request_and_refuses
       engine.submit(Request([5], 2, Collector()))
   finally:
     engine.stop()
+
+
+def test_the_engine_stops_at_every_stop_id_of_its_sampler(params, sampler):
+  """A Sampler with a second stop id (a generation config's end-of-turn token): the engine ends a request there
+  with finish_reason "stop", keeps the token out of the text and hands back its log-probability with its id. The
+  stop id is the 6th greedy token of random weights (first seen there), so the request must stop early to pass."""
+  prompt = random_prompts(1, seed=2)[0]
+  free = sampler.generate([prompt], 20)[0]
+  assert len(free) == 20
+  stop = next(t for i, t in enumerate(free) if i >= 5 and t not in free[:i])
+  cut = free.index(stop)
+  engine = Engine(Sampler(CFG, params, eos_id=EOS, pad_id=0, stop_ids=(stop,)), slots=2, max_len=96, steps_per_call=3)
+  assert engine.stop_ids == tuple(sorted({EOS, stop}))
+  (got,) = run(engine, [prompt], [20], logprobs=True)
+  assert got.tokens == free[:cut] and got.finish_reason == "stop"
+  assert len(got.logprobs) == cut and got.outputs[-1].eos_id == stop
+  assert got.outputs[-1].eos_logprob is not None

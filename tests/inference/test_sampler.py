@@ -1,6 +1,8 @@
 """Decoding: cached decode equals the full forward pass, greedy parity with transformers' generate, batching,
 samplers, stopping, and the CLI."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -272,3 +274,31 @@ def test_slot_major_cache_layout_gives_the_same_tokens():
   assert cache.k[0].format.layout.major_to_minor == (2, 1, 0, 3)
   for chunk in (0, 5):
     assert slot_major.generate(prompts, 12, chunk=chunk) == row_major.generate(prompts, 12, chunk=chunk)
+
+
+def test_a_generation_config_s_eos_token_ids_stop_load_sampler_and_the_cli(checkpoint_dir, tmp_path):
+  """generation_config.json beside the tokenizer (HF's, as Llama 3 instruct ships it: eos_token_id a list): every
+  id in it stops `load_sampler`'s Sampler, and the `sample` command, batched and streamed, prints the text up to
+  the first of them. The stop id is the first greedy token of random weights after the first that differs from
+  those before it, so the run must stop early to pass."""
+  copy = str(tmp_path / "ckpt")
+  shutil.copytree(checkpoint_dir, copy)
+  sampler, tokenizer = load_sampler(copy)
+  prompt = tokenizer.encode(CLI_PROMPTS[0], bos=True)
+  free = sampler.generate([prompt], 12)[0]
+  cut = next(i for i, t in enumerate(free) if i >= 1 and t not in free[:i])
+  stop = free[cut]
+  assert stop != tokenizer.eos_id and len(free) == 12, free
+  (tmp_path / "ckpt" / paths.GENERATION_CONFIG_FILE).write_text(
+    json.dumps({"bos_token_id": tokenizer.bos_id, "eos_token_id": [tokenizer.eos_id, stop]})
+  )
+  sampler, tokenizer = load_sampler(copy)
+  assert sampler.stop_ids == tuple(sorted({tokenizer.eos_id, stop}))
+  assert sampler.generate([prompt], 12)[0] == free[:cut]
+  expected = tokenizer.decode(prompt + free[:cut])
+  result = run_sample("--checkpoint", copy, "--prompt", CLI_PROMPTS[0], "--prompt", "O", *GREEDY_12)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith(f"{'-' * 40}\n{expected}\n")
+  streamed = run_sample("--checkpoint", copy, "--prompt", CLI_PROMPTS[0], *GREEDY_12, "--stream", "yes")
+  assert streamed.returncode == 0, streamed.stderr
+  assert streamed.stdout == expected + "\n"
