@@ -1,5 +1,5 @@
-"""Weights in and out: HF transformers Llama directories and Meta's original LLaMA 2 downloads → llama_jax checkpoint
-directories, and llama_jax checkpoints → HF directories.
+"""Weights in and out: HF transformers Llama directories and Meta's original LLaMA 2 and Llama 3.x downloads →
+llama_jax checkpoint directories, and llama_jax checkpoints → HF directories.
 
     python -m llama_jax.convert --from_hf HF_DIR --out CKPT_DIR      # config.json + (sharded) *.safetensors
     python -m llama_jax.convert --from_meta META_DIR --out CKPT_DIR  # params.json + consolidated.NN.pth (needs torch)
@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
   source.add_argument(
     "--from_meta",
     metavar="META_DIR",
-    help="Meta's original LLaMA 2 download to read: params.json, consolidated.NN.pth model-parallel shards (merged; "
-    "needs torch), tokenizer.model (copied when present)",
+    help="Meta's original LLaMA 2 or Llama 3.x download to read: params.json (use_scaled_rope: llama3 RoPE "
+    "scaling), consolidated.NN.pth model-parallel shards (merged; needs torch), tokenizer.model (a sentencepiece "
+    "one is copied; Llama 3's tiktoken table is not read)",
   )
   source.add_argument(
     "--to_hf",
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.from_hf:
     cfg = run_or_exit(from_hf, args.from_hf, args.out)
   elif args.from_meta:
-    cfg = run_or_exit(from_meta, args.from_meta, args.out)
+    cfg, tokenizer_line = run_or_exit(from_meta, args.from_meta, args.out)
+    print(tokenizer_line)
   elif args.merge_lora:
     cfg = run_or_exit(merge_lora, args.merge_lora, args.out, args.step)
   elif args.peft:

@@ -52,6 +52,10 @@ class ModelConfig:
   scan_layers: bool = True  # run the stacked layers with lax.scan (False: a Python loop, same numbers)
   remat: str = "none"  # none | full | dots | dots_no_batch
   attention: str = "auto"  # auto (by backend) | xla | chunked | cudnn | splash
+  # Tokens per chunk of the training and evaluation loss (0: the whole sequence at once). The LM head and the
+  # cross-entropy run chunk by chunk, rematerialised in the backward pass, so the float32 logits [B, T, V] never exist
+  # whole: with Llama 3's 128,256-token vocabulary they are 4 GiB per 8,192-token sequence, twice with their gradient.
+  loss_chunk: int = 0
   init_std: float = 0.02
   # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see
   # quantize.py). For decoding only: made from float weights by quantize.quantize_params; training refuses it.
@@ -75,6 +79,8 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+      raise ConfigError(f"loss_chunk must be an integer ≥ 0 (0: no chunks), got {self.loss_chunk!r}")
     if self.ffn_hidden_dim is not None and (not isinstance(self.ffn_hidden_dim, int) or self.ffn_hidden_dim <= 0):
       raise ConfigError(f"ffn_hidden_dim must be a positive integer or None, got {self.ffn_hidden_dim!r}")
     if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:

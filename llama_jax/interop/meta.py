@@ -1,6 +1,6 @@
-"""Meta's original LLaMA 2 download (params.json + consolidated.NN.pth model-parallel shards) read into HF-layout
-tensors, and ``from_meta``: such a download → a llama_jax checkpoint directory (``python -m llama_jax.convert
---from_meta``).
+"""Meta's original LLaMA 2 and Llama 3.x downloads (params.json + consolidated.NN.pth model-parallel shards) read into
+HF-layout tensors, and ``from_meta``: such a download → a llama_jax checkpoint directory (``python -m
+llama_jax.convert --from_meta``).
 
 RoPE layout: Meta's weights rotate interleaved pairs (x0,x1), (x2,x3)...; llama_jax (like HF) rotates the two halves
 of each head, so the rows of wq and wk are permuted with ``permute_meta_qk`` (the same permutation HF's own conversion
@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from llama_jax.checkpoint import params as checkpoint_params
+from llama_jax.core import paths
 from llama_jax.core.checks import ConfigError
 from llama_jax.core.errors import LlamaJaxError
 from llama_jax.core.model_config import ModelConfig
@@ -58,6 +59,9 @@ _META_TOP_TENSORS = {
 }
 _META_IGNORED = ("rope.freqs",)  # precomputed rotary frequencies, recomputed here from rope_theta
 _META_REQUIRED = ("dim", "n_layers", "n_heads", "multiple_of", "norm_eps")
+# (dim, n_layers) of Llama 3.2's text models, 1B and 3B: their RoPE scaling factor is 32, not 3.1's 8.
+_LLAMA32_SHAPES = ((2048, 16), (3072, 28))
+_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+")  # a tiktoken BPE table's line: base64 token, space, rank
 _META_SHARD = re.compile(r"consolidated\.(\d+)\.pth")
 
 
@@ -81,11 +85,28 @@ def meta_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None]]:
 
 
 def model_config_from_meta(meta: Mapping[str, Any], vocab_size: int, dtype: str, where: str) -> ModelConfig:
-  """ModelConfig from Meta's ``params.json``: the MLP width follows Meta's rule (multiple_of, ffn_dim_multiplier)."""
-  if meta.get("use_scaled_rope"):
-    raise MetaCheckpointError(
-      f"{where} sets use_scaled_rope (Llama 3.1 rope scaling); --from_meta reads LLaMA 2 only: convert the HF release "
-      "with --from_hf"
+  """ModelConfig from Meta's ``params.json``: the MLP width follows Meta's rule (multiple_of, ffn_dim_multiplier).
+
+  ``use_scaled_rope`` (Llama 3.1 and 3.2) is Meta's llama3 RoPE scaling, whose constants live in Meta's code, not in
+  the file: low/high frequency factors 1 and 4 and an original context of 8,192, with factor 8 for 3.1 and 32 for
+  3.2's 1B and 3B (told apart by their shapes, as HF's conversion tells them apart by version) unless params.json
+  names one (``rope_scaling_factor``). Those releases read 131,072 positions, so that is max_seq_len."""
+  scaled = meta.get("use_scaled_rope", False)
+  if not isinstance(scaled, bool):
+    raise MetaCheckpointError(f"{where} use_scaled_rope must be true or false, got {scaled!r}")
+  rope = {}
+  if scaled:
+    llama32 = (meta.get("dim"), meta.get("n_layers")) in _LLAMA32_SHAPES
+    factor = meta.get("rope_scaling_factor", 32.0 if llama32 else 8.0)
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1:
+      raise MetaCheckpointError(f"{where} rope_scaling_factor must be a number ≥ 1, got {factor!r}")
+    rope = dict(
+      rope_scaling="llama3",
+      rope_scaling_factor=float(factor),
+      rope_low_freq_factor=1.0,
+      rope_high_freq_factor=4.0,
+      rope_original_max_len=8192,
+      max_seq_len=131072,
     )
   try:
     return ModelConfig(
@@ -100,6 +121,7 @@ def model_config_from_meta(meta: Mapping[str, Any], vocab_size: int, dtype: str,
       rope_theta=meta.get("rope_theta", 10000.0),
       dtype=dtype,
       param_dtype=dtype,
+      **rope,
     )
   except (ConfigError, TypeError) as e:
     raise MetaCheckpointError(f"{where} does not describe a valid model: {e}") from e
@@ -113,10 +135,10 @@ def _meta_shard_paths(meta_dir: str) -> list[str]:
       numbers.setdefault(int(match.group(1)), []).append(path)
   if not numbers:
     raise MetaCheckpointError(f"{meta_dir!r} has no consolidated.NN.pth files")
-  for number, paths in sorted(numbers.items()):
-    if len(paths) > 1:
+  for number, numbered in sorted(numbers.items()):
+    if len(numbered) > 1:
       raise MetaCheckpointError(
-        f"{meta_dir!r} has two shards numbered {number}: {sorted(map(os.path.basename, paths))}"
+        f"{meta_dir!r} has two shards numbered {number}: {sorted(map(os.path.basename, numbered))}"
       )
   missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
   if missing:
@@ -297,14 +319,35 @@ def _release_pages(tensor: Any) -> None:
   ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)  # MADV_PAGEOUT
 
 
-def from_meta(meta_dir: str, out_dir: str) -> ModelConfig:
-  """Meta's LLaMA 2 download (params.json, consolidated.NN.pth, tokenizer.model) → new llama_jax checkpoint
-  directory. Everything is checked before anything is written; a failure leaves no output directory."""
+def from_meta(meta_dir: str, out_dir: str) -> tuple[ModelConfig, str]:
+  """Meta's LLaMA 2 or Llama 3.x download (params.json, consolidated.NN.pth, tokenizer.model) → new llama_jax
+  checkpoint directory; returns its config and a line on its tokenizer. Everything is checked before anything is
+  written; a failure leaves no output directory."""
   check_new_output(out_dir)
   shards = MetaShards(meta_dir, lambda cfg: {t.name: t.shape for t in hf_tensor_plan(cfg)})
   cfg, params = shards.cfg, empty_params(shards.cfg)
+  tokenizer, tokenizer_line = _meta_tokenizer(meta_dir)
   shards.copy_into((t.name, hf_view(leaf_at(params, t.path), t)) for t in hf_tensor_plan(cfg))
   del shards  # unmaps the .pth files
   with new_output_dir(out_dir) as scratch:
-    checkpoint_params.save_params_dir(scratch, cfg, params, tokenizer_path=tokenizer_in(meta_dir))
-  return cfg
+    checkpoint_params.save_params_dir(scratch, cfg, params, tokenizer_path=tokenizer)
+  return cfg, tokenizer_line
+
+
+def _meta_tokenizer(meta_dir: str) -> tuple[str | None, str]:
+  """The download's tokenizer.model to copy, if it is one llama_jax reads, and a line saying what became of it.
+
+  LLaMA 2 ships a sentencepiece model; Llama 3 ships a tiktoken BPE table (lines of "<base64 token> <rank>"), which
+  sentencepiece cannot read: it is left out rather than copied into a checkpoint every command would then fail to
+  load."""
+  path = tokenizer_in(meta_dir)
+  if path is None:
+    return None, f"no {paths.TOKENIZER_FILE} in {meta_dir}: the checkpoint has no tokenizer"
+  with open(path, "rb") as f:
+    first_line = f.readline(4096).rstrip(b"\n")
+  if _TIKTOKEN_LINE.fullmatch(first_line):
+    return None, (
+      f"{path} is a tiktoken BPE table (Llama 3), which llama_jax does not read: not copied; the checkpoint has no "
+      "tokenizer (the HF release's tokenizer.json is the same vocabulary)"
+    )
+  return path, f"tokenizer: {paths.TOKENIZER_FILE} copied"

@@ -410,6 +410,11 @@ class Llama(nnx.Module):
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
     """Float32 logits [B, T, V]. Positions default to 0..T-1. Tokens attend only to earlier tokens with their
     segment id (packed sequences); id 0 marks padding."""
+    return self.logits(self.hidden(tokens_BT, positions_BT, segment_ids_BT))
+
+  def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
+    """The residual stream after the last block [B, T, D], before the final norm and the head (`logits`): what a
+    loss computed in chunks of the sequence projects a chunk at a time."""
     cfg = self.cfg
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
@@ -417,7 +422,7 @@ class Llama(nnx.Module):
     if not self.stacked:
       for block in self.layers:
         x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
-      return self.logits(x_BTD)
+      return x_BTD
     graphdef, layer_state = nnx.split(self.layers)
 
     def run_layer(h_BTD, one_layer_state):
@@ -430,7 +435,7 @@ class Llama(nnx.Module):
     else:
       for i in range(cfg.n_layers):
         x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
-    return self.logits(x_BTD)
+    return x_BTD
 
   def decode(
     self,

@@ -21,17 +21,46 @@ MAX_LOG_PERPLEXITY = 50.0
 
 
 def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross-entropy [B, T] (float32) and the per-token weights (loss mask; 1 where absent)."""
+  """Per-token cross-entropy [B, T] (float32) and the per-token weights (loss mask; 1 where absent).
+
+  With the model's `loss_chunk` C > 0 the head and the cross-entropy run over C positions at a time in a scan whose
+  body is rematerialised: the backward pass recomputes a chunk's logits instead of keeping them, so at most one
+  chunk's [B, C, V] logits (and their gradient) exist at once. The last chunk is padded; its extra positions are
+  cut off. Each position's loss is the same function of its own logits row either way."""
   model = nnx.merge(graphdef, params)
-  logits_BTV = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+  targets_BT = batch["targets"]
+  x_BTD = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+  chunk = model.cfg.loss_chunk
   with jax.named_scope("loss"):
-    targets_BT = batch["targets"]
-    # log-sum-exp minus the target logit: the same value as log_softmax + gather, without a second [B, T, V] array.
-    target_logits_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    losses_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logits_BT
+    if not chunk or chunk >= x_BTD.shape[1]:
+      losses_BT = _cross_entropy(model.logits(x_BTD), targets_BT)
+    else:
+      losses_BT = _chunked_cross_entropy(model, x_BTD, targets_BT, chunk)
     weights_BT = batch.get("weights")
     weights_BT = jnp.ones_like(losses_BT) if weights_BT is None else weights_BT.astype(jnp.float32)
   return losses_BT, weights_BT
+
+
+def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+  # log-sum-exp minus the target logit: the same value as log_softmax + gather, without a second [B, T, V] array.
+  target_logits_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logits_BT
+
+
+def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, chunk: int) -> jax.Array:
+  batch, length = targets_BT.shape
+  n_chunks = -(-length // chunk)
+  pad = n_chunks * chunk - length
+  x_NBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
+  targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(_, inputs):
+    x_BCD, chunk_targets_BC = inputs
+    return None, _cross_entropy(model.logits(x_BCD), chunk_targets_BC)
+
+  _, losses_NBC = jax.lax.scan(one_chunk, None, (x_NBCD, targets_NBC))
+  return losses_NBC.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
 
 
 def eval_step(

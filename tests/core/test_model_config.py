@@ -94,7 +94,14 @@ def test_70b_preset_uses_metas_hyper_parameters():
 
 
 # The devices each config is written for (its docstring names the slice); the rest run anywhere (8 here).
-CONFIG_DEVICES = {"tpu_v4.py": 16, "gpu_h100x8.py": 8, "llama2_13b.py": 32, "llama2_70b.py": 64}
+CONFIG_DEVICES = {
+  "tpu_v4.py": 16,
+  "gpu_h100x8.py": 8,
+  "llama2_13b.py": 32,
+  "llama2_70b.py": 64,
+  "llama3_8b.py": 16,
+  "llama3_70b.py": 64,
+}
 
 
 def test_every_config_file_builds_a_valid_model_config_and_mesh():

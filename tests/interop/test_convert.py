@@ -16,7 +16,9 @@ from safetensors.numpy import load_file
 
 from llama_jax import convert as convert_lib
 from llama_jax.checkpoint import params as checkpoint_params
+from llama_jax.core import model_config as model_config_lib
 from llama_jax.core import paths
+from llama_jax.core import run_config as run_config_lib
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.interop import hf, meta, safetensors_stream
 from llama_jax.interop import hf_config as hf_config_lib
@@ -33,6 +35,15 @@ def save_hf(tmp_path, cfg=CFG, dtype=torch.float32, **save_kwargs):
   hf_dir = str(tmp_path / "hf")
   model.save_pretrained(hf_dir, **save_kwargs)
   return model, hf_dir
+
+
+def model_with(cfg, params):
+  """A Llama built abstractly and filled with `params` (a random initialisation would only be overwritten)."""
+  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(model)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  return model
 
 
 def all_safetensors(directory):
@@ -243,11 +254,7 @@ def test_to_hf_writes_rope_scaling_and_transformers_gives_the_same_logits(tmp_pa
   with open(tmp_path / "hf" / "config.json") as f:
     assert json.load(f)["rope_scaling"] == expected_rope_scaling
 
-  # Built abstractly and filled with the weights: the random initialisation would only be overwritten.
-  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-  state = nnx.state(model)
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(model, state)
+  model = model_with(cfg, params)
   tokens = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 64))
   ours = np.asarray(model(jnp.asarray(tokens)))
   exported = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
@@ -255,8 +262,7 @@ def test_to_hf_writes_rope_scaling_and_transformers_gives_the_same_logits(tmp_pa
     hf_logits = exported(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(hf_logits, ours, atol=1e-4, rtol=0)
 
-  unscaled = nnx.eval_shape(lambda: Llama(cfg.replace(rope_scaling="none"), rngs=nnx.Rngs(0)))
-  nnx.update(unscaled, state)
+  unscaled = model_with(cfg.replace(rope_scaling="none"), params)
   scaling_effect = np.abs(np.asarray(unscaled(jnp.asarray(tokens))) - ours).max()
   print(f"{scaling}: logits move by {scaling_effect:.1e} without the scaling")
   assert scaling_effect > 1e-3
@@ -322,10 +328,7 @@ def test_meta_shards_convert_to_a_checkpoint_with_hf_logits(tmp_path, n_kv_heads
   loaded, params = checkpoint_params.load_params(str(tmp_path / "ckpt"))
   assert loaded == cfg and loaded.hidden_dim == hf_model.config.intermediate_size
   assert (tmp_path / "ckpt" / "tokenizer.model").read_bytes() == b"the tokenizer travels as it is"
-  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-  state = nnx.state(model)
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(model, state)
+  model = model_with(cfg, params)
   tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 40))
   with torch.no_grad():
     expected = hf_model(torch.tensor(tokens)).logits.numpy()
@@ -435,3 +438,120 @@ def test_conversion_streams_within_1_3x_of_the_model_bytes(tmp_path):
     peak = report[direction]["peak_bytes"]
     print(f"{direction}: +{peak / 2**20:.0f} MiB = {peak / report['model_bytes']:.2f}x the model")
     assert peak <= 1.3 * report["model_bytes"] + MEMORY_ALLOWANCE, (direction, report[direction])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Llama 3.x: the releases' own files (Meta's params.json, HF's config.json, typed from the published downloads) give
+# one model, equal to the preset's.
+
+_LLAMA3_ROPE = dict(
+  low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192, rope_type="llama3"
+)
+LLAMA3_RELEASES = {
+  "llama3_8b": (
+    dict(dim=4096, ffn_dim_multiplier=1.3, multiple_of=1024, n_heads=32, n_kv_heads=8, n_layers=32, norm_eps=1e-05),
+    dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, factor=8.0),
+  ),
+  "llama3_70b": (
+    dict(dim=8192, ffn_dim_multiplier=1.3, multiple_of=4096, n_heads=64, n_kv_heads=8, n_layers=80, norm_eps=1e-05),
+    dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, factor=8.0),
+  ),
+  "llama3.2_1b": (
+    dict(dim=2048, ffn_dim_multiplier=1.5, multiple_of=256, n_heads=32, n_kv_heads=8, n_layers=16, norm_eps=1e-05),
+    dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, factor=32.0),
+  ),
+}
+LLAMA3_PARAMS = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3.2_1b": 1_235_814_400}
+
+
+def _model_fields(cfg: ModelConfig) -> dict:
+  names = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "norm_eps", "rope_theta")
+  rope = ("rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+  return {name: getattr(cfg, name) for name in names + rope + ("rope_original_max_len", "max_seq_len")}
+
+
+@pytest.mark.parametrize("name", LLAMA3_RELEASES)
+def test_llama3_params_json_config_json_and_preset_describe_one_model(name):
+  meta_params, hf_sizes = LLAMA3_RELEASES[name]
+  meta_params = {**meta_params, "rope_theta": 500000.0, "use_scaled_rope": True, "vocab_size": 128256}
+  hf_sizes = dict(hf_sizes)
+  factor = hf_sizes.pop("factor")
+  hf_json = {
+    **hf_sizes,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {**_LLAMA3_ROPE, "factor": factor},
+    "max_position_embeddings": 131072,
+    "vocab_size": 128256,
+    "tie_word_embeddings": name == "llama3.2_1b",
+    "torch_dtype": "bfloat16",
+  }
+  from_meta = meta.model_config_from_meta(meta_params, 128256, "bfloat16", "params.json")
+  from_hf = hf_config_lib.model_config_from_hf(hf_json)
+  preset = run_config_lib.load_run_config(os.path.join(ROOT, "configs", f"{name}.py"))
+  from_preset = model_config_lib.model_config_from(preset)
+  assert _model_fields(from_meta) == _model_fields(from_hf) == _model_fields(from_preset)
+  assert from_hf.tie_embeddings == from_preset.tie_embeddings == (name == "llama3.2_1b")
+  assert from_hf.num_params() == from_preset.num_params() == LLAMA3_PARAMS[name]
+  assert from_preset.rope_scaling_factor == factor
+
+
+def test_a_llama3_meta_download_converts_with_scaled_rope_and_hf_logits(tmp_path, capsys):
+  """Meta's Llama 3.1 layout at tiny sizes: params.json with use_scaled_rope and θ 500,000, a tiktoken
+  tokenizer.model. The checkpoint gets llama3 scaling with Meta's constants and gives the logits of transformers'
+  LlamaForCausalLM built with the published rope_scaling (float32, 1e-5) over 256 positions, where dropping the
+  scaling moves them by 2.8e-4, 28 times the tolerance (checked above 1e-4); the tiktoken table is left out, and
+  the command says so."""
+  cfg = META_CFG.replace(n_kv_heads=2)
+  hf_json = hf_config_lib.hf_config_from_model_config(cfg.replace(max_seq_len=131072))
+  hf_json.update(rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "factor": 8.0})
+  hf_cfg = transformers.LlamaConfig.from_dict(hf_json)
+  hf_cfg._attn_implementation = "eager"
+  torch.manual_seed(7)
+  hf_model = transformers.LlamaForCausalLM(hf_cfg).eval()
+  meta_dir = write_meta_dir(hf_model, cfg, tmp_path / "meta")
+  edit_params_json(meta_dir, lambda p: json.dumps({**p, "rope_theta": 500000.0, "use_scaled_rope": True}))
+  (tmp_path / "meta" / "tokenizer.model").write_bytes(b"IQ== 0\nIg== 1\nIw== 2\n")  # tiktoken: "!", '"', "#"
+  assert convert_lib.main(["--from_meta", meta_dir, "--out", str(tmp_path / "ckpt")]) == 0
+  assert "is a tiktoken BPE table (Llama 3), which llama_jax does not read: not copied" in capsys.readouterr().out
+  assert not (tmp_path / "ckpt" / paths.TOKENIZER_FILE).exists()
+
+  loaded, params = checkpoint_params.load_params(str(tmp_path / "ckpt"))
+  assert (loaded.rope_scaling, loaded.rope_scaling_factor, loaded.rope_original_max_len) == ("llama3", 8.0, 8192)
+  assert (loaded.rope_low_freq_factor, loaded.rope_high_freq_factor, loaded.max_seq_len) == (1.0, 4.0, 131072)
+  model = model_with(loaded, params)
+  tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (1, 256))
+  with torch.no_grad():
+    expected = hf_model(torch.tensor(tokens)).logits.numpy()
+  ours = np.asarray(model(jnp.asarray(tokens)))
+  np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+  unscaled = model_with(loaded.replace(rope_scaling="none"), params)
+  assert np.abs(np.asarray(unscaled(jnp.asarray(tokens))) - ours).max() > 1e-4
+
+
+@pytest.mark.parametrize(
+  "edit,fragment",
+  [
+    ({"use_scaled_rope": "yes"}, "params.json use_scaled_rope must be true or false, got 'yes'"),
+    ({"use_scaled_rope": True, "rope_scaling_factor": 0.5}, "params.json rope_scaling_factor must be a number ≥ 1"),
+  ],
+  ids=["not_bool", "factor_below_1"],
+)
+def test_from_meta_refuses_a_bad_rope_scaling(tmp_path, capsys, meta_dir, edit, fragment):
+  edit_params_json(meta_dir, lambda p: json.dumps({**p, **edit}))
+  assert fragment in meta_error(capsys, meta_dir, tmp_path / "out")
+
+
+def test_a_generation_config_travels_through_from_hf_and_to_hf(tmp_path):
+  """An HF directory's generation_config.json (Llama 3 instruct's eos_token_id list) is copied into the checkpoint
+  as it is, where the stop ids are read from it, and written back by to_hf, where transformers reads the same list."""
+  model, hf_dir = save_hf(tmp_path)
+  model.generation_config.eos_token_id = [2, 7, 9]
+  model.generation_config.save_pretrained(hf_dir)
+  original = (tmp_path / "hf" / paths.GENERATION_CONFIG_FILE).read_bytes()
+  assert convert_lib.main(["--from_hf", hf_dir, "--out", str(tmp_path / "ckpt")]) == 0
+  assert (tmp_path / "ckpt" / paths.GENERATION_CONFIG_FILE).read_bytes() == original
+  assert convert_lib.main(["--to_hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
+  assert (tmp_path / "back" / paths.GENERATION_CONFIG_FILE).read_bytes() == original
+  assert transformers.GenerationConfig.from_pretrained(str(tmp_path / "back")).eos_token_id == [2, 7, 9]
