@@ -3,8 +3,9 @@
 Axis legend used in every einsum and array name of the package:
   B batch, T query length, S key/value length, N query heads, K kv heads, G = N / K query heads per kv head,
   H head dim, D model dim, F mlp hidden, V vocab, L layers,
-  P padded prompt length (a decoding bucket), C query chunk (chunked attention), Q = G·T query rows per kv head
-  (cached attention), X any head axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py).
+  P padded prompt length (a decoding bucket), C query chunk (chunked attention; the chunked loss's positions per chunk),
+  W chunks of a sequence (the chunked loss, loss.py), Q = G·T query rows per kv head (cached attention), X any head
+  axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py).
 
 Parameters carry logical axis names (see ``run_config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
 config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;

@@ -51,16 +51,16 @@ def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, 
   batch, length = targets_BT.shape
   n_chunks = -(-length // chunk)
   pad = n_chunks * chunk - length
-  x_NBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
-  targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+  x_WBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
+  targets_WBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
 
   @jax.checkpoint
   def one_chunk(_, inputs):
     x_BCD, chunk_targets_BC = inputs
     return None, _cross_entropy(model.logits(x_BCD), chunk_targets_BC)
 
-  _, losses_NBC = jax.lax.scan(one_chunk, None, (x_NBCD, targets_NBC))
-  return losses_NBC.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
+  _, losses_WBC = jax.lax.scan(one_chunk, None, (x_WBCD, targets_WBC))
+  return losses_WBC.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
 
 
 def eval_step(
