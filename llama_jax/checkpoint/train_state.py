@@ -79,9 +79,8 @@ class TrainCheckpointer:
     each written whole then renamed."""
     workdir = epath.Path(self.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for name, content in ((paths.CONFIG_FILE, cfg.to_json()), (paths.RUN_CONFIG_FILE, run_config_json)):
-      paths.write_atomically(workdir / name, content)
-    for name, content in tokenizer_files.items():
+    files = {paths.CONFIG_FILE: cfg.to_json(), paths.RUN_CONFIG_FILE: run_config_json, **tokenizer_files}
+    for name, content in files.items():
       paths.write_atomically(workdir / name, content)
 
   def latest_step(self) -> int | None:

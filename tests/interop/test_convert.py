@@ -85,10 +85,7 @@ def test_converted_checkpoint_gives_hf_logits_and_exports_a_dir_transformers_loa
   cfg, params = checkpoint_params.load_params(str(tmp_path / "ckpt"))
   # HF states the MLP width outright, so the converted config carries it as ffn_hidden_dim.
   assert cfg == CFG.replace(norm_eps=hf_model.config.rms_norm_eps, ffn_hidden_dim=CFG.hidden_dim, multiple_of=256)
-  model = Llama(cfg, rngs=nnx.Rngs(0))
-  state = nnx.state(model)
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(model, state)
+  model = model_with(cfg, params)
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 40))
   expected = hf_model(torch.tensor(tokens)).logits.detach().numpy()
   np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), expected, atol=1e-4, rtol=0)
