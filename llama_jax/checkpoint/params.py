@@ -28,7 +28,8 @@ from llama_jax.checkpoint.digests import CheckpointError, checked_step, restore_
 from llama_jax.core import paths
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
-from llama_jax.data.tokenizer import Tokenizer, load_tokenizer_dir
+from llama_jax.data.tokenizer import TokenizerBase
+from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from llama_jax.model import lora, sharding
 from llama_jax.model.llama import Llama
 
@@ -61,12 +62,21 @@ def read_model_config(directory: str) -> ModelConfig:
   return ModelConfig.from_dict(json.loads(path.read_text()))
 
 
-def load_tokenizer(directory: str, purpose: str) -> Tokenizer:
+def load_tokenizer(directory: str, purpose: str) -> TokenizerBase:
   """The tokenizer a checkpoint directory holds (local or remote) with its generation config's stop tokens, or
   CheckpointError naming what needs it."""
   tokenizer = load_tokenizer_dir(directory)
   if tokenizer is None:
-    raise CheckpointError(f"{directory!r} has no {paths.TOKENIZER_FILE}; {purpose}")
+    raise CheckpointError(
+      f"{directory!r} has no tokenizer ({paths.TOKENIZER_FILE} or {paths.HF_TOKENIZER_FILE}); {purpose}"
+    )
+  if paths.path(directory, paths.CONFIG_FILE).is_file():
+    rows = read_model_config(directory).vocab_size
+    if tokenizer.vocab_size > rows:
+      raise CheckpointError(
+        f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model in {directory!r} has {rows} embedding "
+        "rows: they are not the same model's"
+      )
   return tokenizer
 
 

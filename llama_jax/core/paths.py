@@ -35,6 +35,14 @@ TOKENIZER_FILE = "tokenizer.model"
 # HF's generation settings; its eos_token_id (one id or a list: Llama 3 instruct ends turns with <|eot_id|>) stops
 # decoding. Travels with the tokenizer: conversion, training workdirs and exports copy it.
 GENERATION_CONFIG_FILE = "generation_config.json"
+# An HF `tokenizers` tokenizer (byte-level BPE for Llama 3 and SmolLM2) and the files around it: special tokens and the
+# chat template (in tokenizer_config.json, or in chat_template.jinja as current transformers saves it).
+HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Copied with the tokenizer wherever it goes (conversion, training workdirs, exports), when present.
+TOKENIZER_SIDE_FILES = (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE)
 LORA_FILE = "lora.json"
 REFERENCE_FILE = "reference.json"  # a full (not LoRA) DPO workdir's record of its reference model
 METRICS_FILE = "metrics.jsonl"

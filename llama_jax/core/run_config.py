@@ -178,7 +178,7 @@ class DataConfig(Section):
   val_sources: tuple[str, ...] = ()  # documents for validation (removed from training); empty: val_fraction
   val_fraction: float = 0.0  # a seeded hash split of documents (text) or conversations (chat)
   text_field: str = "text"  # JSONL field holding the document text
-  tokenizer: str = ""  # a sentencepiece .model to use; empty: train one on the training documents
+  tokenizer: str = ""  # a sentencepiece .model, a tokenizer.json or a directory with one; empty: train one
   vocab_size: int = 4096  # for a trained tokenizer
   prepared_dir: str = ""  # where tokenized shards go; empty: <workdir>/data
   format: str = "text"  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)

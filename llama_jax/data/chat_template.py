@@ -1,4 +1,5 @@
-"""The LLaMA 2 chat format, built from token ids, shared by SFT data and the chat CLI.
+"""The LLaMA 2 chat format, built from token ids, shared by SFT data and the chat CLI: the default for checkpoints
+whose tokenizer comes without a chat template of its own (those that have one use it: ``jinja_chat.py``).
 
 Meta's format (``llama/generation.py``): each user → assistant exchange is
 
@@ -25,6 +26,10 @@ ROLES = ("system", "user", "assistant")
 
 class ConversationError(LlamaJaxError, ValueError):
   """A conversation that does not follow the chat format; the message says what is wrong."""
+
+
+class ConversationTooLong(ConversationError):
+  """The last assistant turn alone does not fit the length allowed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +102,12 @@ def encode_exchange(tokenizer, user: str, assistant: str | None, system: str | N
 
 def encode_dialog(tokenizer, messages: Sequence[dict], max_len: int | None = None) -> EncodedConversation:
   """Ids and loss mask of a conversation ending with an assistant turn (training) or a user turn (a generation
-  prompt). Longer than `max_len`: the oldest exchanges are dropped (the system prompt moves to the first one kept);
+  prompt), in the tokenizer's own chat template when its checkpoint has one (``jinja_chat.py``), else in LLaMA 2's.
+  Longer than `max_len`: the oldest exchanges are dropped (the system prompt moves to the first one kept);
   if the last exchange alone is too long, its prompt is cut from the left, keeping the last assistant turn whole."""
+  template = getattr(tokenizer, "chat_template", None)
+  if template is not None:
+    return template.encode(tokenizer, messages, max_len)
   system, exchanges = _exchanges(messages)
   encoded = []
   for i, (user, assistant) in enumerate(exchanges):
@@ -113,10 +122,15 @@ def encode_dialog(tokenizer, messages: Sequence[dict], max_len: int | None = Non
   for ids, boundary in encoded:
     tokens += ids
     mask += [0] * boundary + [1] * (len(ids) - boundary)
-  truncated = False
-  if max_len is not None and len(tokens) > max_len:
-    cut = len(tokens) - max_len
-    if sum(mask[cut:]) != sum(mask):
-      raise ConversationError(f"the last assistant turn alone is {sum(mask)} tokens, more than the {max_len} allowed")
-    tokens, mask, truncated = tokens[cut:], mask[cut:], True
+  tokens, mask, truncated = cut_to_length(tokens, mask, max_len)
   return EncodedConversation(tokens, mask, dropped, truncated)
+
+
+def cut_to_length(tokens: list[int], mask: list[int], max_len: int | None) -> tuple[list[int], list[int], bool]:
+  """(tokens, mask, truncated): cut from the left to `max_len`, which must leave every masked (assistant) token."""
+  if max_len is None or len(tokens) <= max_len:
+    return tokens, mask, False
+  cut = len(tokens) - max_len
+  if sum(mask[cut:]) != sum(mask):
+    raise ConversationTooLong(f"the last assistant turn alone is {sum(mask)} tokens, more than the {max_len} allowed")
+  return tokens[cut:], mask[cut:], True

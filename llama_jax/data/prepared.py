@@ -150,7 +150,7 @@ def load_meta(prepared_dir: str) -> dict[str, Any]:
 def inputs_fingerprint(kind: str, identity: list, tokenizer) -> str:
   """The key of a preparation: the format version, the kind, what the output depends on (JSON-able), the tokenizer."""
   digest = hashlib.sha256(json.dumps([FORMAT_VERSION, kind, *identity], sort_keys=True).encode())
-  digest.update(hashlib.sha256(tokenizer.serialized()).digest())
+  digest.update(hashlib.sha256(tokenizer.identity_bytes()).digest())
   return digest.hexdigest()
 
 

@@ -15,7 +15,8 @@ from llama_jax.core import distributed, paths
 from llama_jax.core.run_config import RunConfig
 from llama_jax.data import preference, sft, sources, text
 from llama_jax.data.prepared import PackedRows
-from llama_jax.data.tokenizer import Tokenizer, load_tokenizer_dir, train_tokenizer
+from llama_jax.data.tokenizer import Tokenizer, TokenizerBase, train_tokenizer
+from llama_jax.data.tokenizer_files import load_tokenizer_dir, load_tokenizer_path
 
 
 @dataclasses.dataclass
@@ -27,16 +28,18 @@ class RunData:
   summary: str
 
 
-def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[[], Iterator[str]]) -> Tokenizer:
+def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[[], Iterator[str]]) -> TokenizerBase:
   """The configured tokenizer, the workdir's (on resume), init_from's, or one trained on the training texts."""
   if run_config.data.tokenizer:
-    return Tokenizer(paths.local_file(run_config.data.tokenizer))
+    return load_tokenizer_path(run_config.data.tokenizer)
   for directory in (workdir, run_config.init_from):
     tokenizer = load_tokenizer_dir(directory) if directory else None
     if tokenizer is not None:
       return tokenizer
   if jax.process_count() > 1:
-    raise sources.DataError("multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file")
+    raise sources.DataError(
+      "multi-process runs need a prepared tokenizer: set data.tokenizer to a .model file or a tokenizer directory"
+    )
   corpus_dir = paths.local_dir(workdir, "tokenizer")
   os.makedirs(corpus_dir, exist_ok=True)
   corpus = os.path.join(corpus_dir, "corpus.txt")
@@ -53,7 +56,7 @@ def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[
   return Tokenizer(path)
 
 
-def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[Tokenizer, RunData]:
+def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[TokenizerBase, RunData]:
   """Tokenizer and prepared data of a run. Process 0 prepares first; the others then find its cache where the disk
   is shared, or prepare their own copy."""
   data_cfg = run_config.data
@@ -78,7 +81,7 @@ def _document_texts(run_config: RunConfig) -> Iterator[str]:
   return (sources.read_document(ref, data_cfg.text_field)[0] for ref in train_docs)
 
 
-def _text_data(run_config: RunConfig, tokenizer: Tokenizer, prepared_dir: str) -> RunData:
+def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: str) -> RunData:
   data_cfg, train_cfg = run_config.data, run_config.train
   meta = text.prepare(
     data_cfg.sources,
@@ -108,7 +111,7 @@ def _pair_texts(run_config: RunConfig) -> Iterator[str]:
     yield from (pair.chosen, pair.rejected)
 
 
-def _row_data(run_config: RunConfig, tokenizer: Tokenizer, prepared_dir: str) -> RunData:
+def _row_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: str) -> RunData:
   """Chat (SFT) or preference rows: prepared the same way, batched the same way, summarised each its own way."""
   data_cfg, train_cfg, is_chat = run_config.data, run_config.train, run_config.data.format == "chat"
   prepare, dataset_of = (

@@ -4,11 +4,11 @@ Sources (``data.sources`` with ``data.format="chat"``), each one of:
   - JSONL files (``*.jsonl``, also inside directories or globs): ``{"messages": [{"role": ..., "content": ...}]}``;
   - ``chitchat`` (the chitchat-dataset package) and ``chatterbot[:english,chinese]`` (the chatterbot-corpus package).
 
-``prepare_sft`` encodes each conversation with the LLaMA 2 chat template (``chat_template.encode_dialog``: loss mask
-on assistant tokens), packs them into rows of ``seq_len`` with a segment id and positions per conversation, and caches
-the rows as ``.npy`` files keyed by a fingerprint of the conversations, the tokenizer and the settings (the shared
-cache of prepared.py). A bad conversation is reported with its file and line, skipped or fatal by ``data.on_error``.
-"""
+``prepare_sft`` encodes each conversation with the tokenizer's chat template, LLaMA 2's when the checkpoint has none
+(``chat_template.encode_dialog``: loss mask on assistant tokens), packs them into rows of ``seq_len`` with a segment id
+and positions per conversation, and caches the rows as ``.npy`` files keyed by a fingerprint of the conversations, the
+tokenizer and the settings (the shared cache of prepared.py). A bad conversation is reported with its file and line,
+skipped or fatal by ``data.on_error``."""
 
 from __future__ import annotations
 
@@ -151,8 +151,9 @@ def prepare_sft(
   on_error: str = "skip",
   verify: bool = False,
 ) -> dict[str, Any]:
-  """Encodes conversations with the LLaMA 2 chat template and packs them into rows (the prepared-data cache of
-  prepared.py: each .npy file's size and sha256 in meta.json, token ids checked against the vocabulary).
+  """Encodes conversations with the tokenizer's chat template (LLaMA 2's by default) and packs them into rows (the
+  prepared-data cache of prepared.py: each .npy file's size and sha256 in meta.json, token ids checked against the
+  vocabulary).
 
   Split by conversation: a seeded `val_fraction` of them is held out. Conversations longer than seq_len + 1 tokens
   lose their oldest exchanges, then the left of the last prompt (see chat_template.encode_dialog); counted in
@@ -165,11 +166,13 @@ def prepare_sft(
 
   def lay_out(split: list[tuple[str, list]]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     encoded, too_long = [], 0
-    for _, messages in split:
+    for where, messages in split:
       try:
         encoded.append(chat_template.encode_dialog(tokenizer, messages, max_len=seq_len + 1))
-      except chat_template.ConversationError:
+      except chat_template.ConversationTooLong:
         too_long += 1  # the last assistant turn alone does not fit
+      except chat_template.ConversationError as e:  # the checkpoint's chat template refuses it
+        raise DataError(f"{where}: {e}") from None
     arrays = pack_conversations(encoded, seq_len)
     counts = dict(
       conversations=len(encoded),

@@ -32,7 +32,7 @@ _log = logging.getLogger(__name__)
 def _fingerprint(train: Sequence[DocumentRef], val: Sequence[DocumentRef], tokenizer, text_field: str) -> str:
   digest = hashlib.sha256()
   digest.update(json.dumps([FORMAT_VERSION, text_field]).encode())
-  digest.update(hashlib.sha256(tokenizer.serialized()).digest())
+  digest.update(hashlib.sha256(tokenizer.identity_bytes()).digest())
   for split, refs in (("train", train), ("val", val)):
     digest.update(split.encode())
     for path in sorted({r.path for r in refs}):

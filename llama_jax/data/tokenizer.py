@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import glob
 import io
 import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import sentencepiece as spm
 
-from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
-from llama_jax.core.paths import GENERATION_CONFIG_FILE, TOKENIZER_FILE
+from llama_jax.core.paths import CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from llama_jax.data.jinja_chat import PLAIN_MARK, JinjaChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,100 @@ class TokenizerError(LlamaJaxError, ValueError):
   """Bad tokenizer input; the message names the file or value and, where there is one, the fix."""
 
 
-class Tokenizer:
-  """Encodes text to token ids and back with a sentencepiece model.
+class TokenizerBase:
+  """What both back ends share: the files that came with the tokenizer (``paths.TOKENIZER_SIDE_FILES``: its
+  generation config, tokenizer_config.json, chat_template.jinja, special_tokens_map.json), the stop tokens and the
+  chat template they give, and the interface the rest of llama_jax uses.
 
-  `generation_config` is the raw ``generation_config.json`` that came with it, if any: its ``eos_token_id`` (an id
-  or a list) adds stop tokens to eos (``stop_ids``), and the bytes travel on with the tokenizer (``files``)."""
+  Stop tokens: eos, the generation config's ``eos_token_id`` entries (an id or a list) and the chat template's
+  end-of-turn token. A subclass sets up its back end, then calls ``_init_side_files``."""
 
-  def __init__(self, model_path: str, generation_config: bytes | None = None, generation_config_name: str = ""):
+  path: str
+  main_file: str
+  chat_template: JinjaChatTemplate | None = None
+  end_of_turn_id: int | None = None
+
+  def _init_side_files(self, side_files: Mapping[str, bytes] | None, directory: str) -> None:
+    self._side_files = {name: content for name, content in (side_files or {}).items() if content is not None}
+    name = os.path.join(directory, GENERATION_CONFIG_FILE)
+    self._extra_stops = _generation_stop_ids(self._side_files.get(GENERATION_CONFIG_FILE), self.vocab_size, name)
+    template = _chat_template_source(self._side_files, directory)
+    if template is not None:
+      self.chat_template = JinjaChatTemplate(*template, self.template_variables())
+      self.end_of_turn_id = self.chat_template.end_of_turn_id(
+        lambda text: self.encode_rendered(text, PLAIN_MARK)[0], self.special_ids
+      )
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every token that ends a generation: eos, the generation config's eos_token_id entries and the chat template's
+    end-of-turn token, sorted."""
+    stops = {self.eos_id, *self._extra_stops, -1 if self.end_of_turn_id is None else self.end_of_turn_id}
+    return tuple(sorted(stops - {-1}))
+
+  def files(self) -> dict[str, bytes]:
+    """The files that make up this tokenizer in a checkpoint directory, by name (to copy it into one)."""
+    return {self.main_file: self.main_file_bytes(), **self._side_files}
+
+  def identity_bytes(self) -> bytes:
+    """What decides the ids this tokenizer gives text and conversations, for the prepared-data digests: the
+    tokenizer (``serialized``) and its chat template when it has one."""
+    if self.chat_template is None:
+      return self.serialized()
+    return self.serialized() + b"\0chat_template\0" + self.chat_template.source.encode("utf-8")
+
+  def template_variables(self) -> dict[str, str]:
+    """The special tokens' texts a chat template reads (bos_token, eos_token, unk_token, pad_token)."""
+    named = (
+      ("bos_token", self.bos_id),
+      ("eos_token", self.eos_id),
+      ("unk_token", self.unk_id),
+      ("pad_token", self.pad_id),
+    )
+    return {name: self.id_to_piece(token_id) for name, token_id in named if token_id >= 0}
+
+  @property
+  def special_texts(self) -> tuple[str, ...]:
+    """The texts of the special tokens, which a rendered chat template may contain (``encode_rendered``)."""
+    return tuple(self.id_to_piece(token_id) for token_id in sorted(self.special_ids))
+
+  def _check_ids(self, ids: Iterable[int]) -> np.ndarray | None:
+    """`ids` as a 1-d integer array, None when empty; TokenizerError for another shape or an id out of range."""
+    ids_array = np.asarray(ids if hasattr(ids, "shape") else list(ids))
+    if ids_array.size == 0:
+      return None
+    if ids_array.ndim != 1 or not np.issubdtype(ids_array.dtype, np.integer):
+      raise TokenizerError(
+        f"decode expects a 1-d sequence of integer ids, got shape {ids_array.shape} of {ids_array.dtype}"
+      )
+    bad = ids_array[(ids_array < 0) | (ids_array >= self.vocab_size)]
+    if bad.size:
+      raise TokenizerError(f"token id {int(bad[0])} is out of range [0, {self.vocab_size})")
+    return ids_array
+
+  @staticmethod
+  def _check_texts(texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str):
+      raise TokenizerError("encode_batch expects a list of str, got one str; use encode")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+      if not isinstance(text, str):
+        raise TokenizerError(f"encode_batch expects a list of str; item {i} is a {type(text).__name__}")
+    return texts
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.path!r}, vocab_size={self.vocab_size})"
+
+
+class Tokenizer(TokenizerBase):
+  """Encodes text to token ids and back with a sentencepiece model (``tokenizer.model``).
+
+  `side_files` are the files that came with it (name → bytes, see TokenizerBase); `directory` names where, for
+  messages."""
+
+  main_file = TOKENIZER_FILE
+
+  def __init__(self, model_path: str, side_files: Mapping[str, bytes] | None = None, directory: str = ""):
     if not os.path.isfile(model_path):
       raise TokenizerError(f"tokenizer model {model_path!r} does not exist")
     try:
@@ -49,24 +137,7 @@ class Tokenizer:
     except (RuntimeError, OSError) as e:
       raise TokenizerError(f"{model_path!r} is not a sentencepiece model: {e}") from e
     self.path = model_path
-    self._generation_config = generation_config
-    name = generation_config_name or os.path.join(os.path.dirname(model_path), GENERATION_CONFIG_FILE)
-    self._extra_stops = _generation_stop_ids(generation_config, self.vocab_size, name)
-
-  @property
-  def stop_ids(self) -> tuple[int, ...]:
-    """Every token that ends a generation: eos and the generation config's eos_token_id entries, sorted."""
-    return tuple(sorted({self.eos_id, *self._extra_stops} - {-1}))
-
-  def files(self) -> dict[str, bytes]:
-    """The files that make up this tokenizer in a checkpoint directory, by name (to copy it into one)."""
-    files = {TOKENIZER_FILE: self.serialized()}
-    if self._generation_config is not None:
-      files[GENERATION_CONFIG_FILE] = self._generation_config
-    return files
-
-  def __repr__(self) -> str:
-    return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+    self._init_side_files(side_files, directory or os.path.dirname(model_path))
 
   @property
   def vocab_size(self) -> int:
@@ -89,7 +160,19 @@ class Tokenizer:
   def unk_id(self) -> int:
     return self._sp.unk_id()
 
+  @property
+  def adds_bos(self) -> bool:
+    """Whether a document starts with bos (``encode(..., bos=True)``): always, when there is one (Meta's way)."""
+    return self.bos_id >= 0
+
+  @functools.cached_property
+  def special_ids(self) -> frozenset[int]:
+    """Control pieces (bos, eos, pad) and unk: what HF's conversion of a sentencepiece model makes special."""
+    ids = range(self.vocab_size)
+    return frozenset(i for i in ids if self._sp.is_control(i) or self._sp.is_unknown(i))
+
   def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    """Ids of `text`; special-token texts in it ("<s>") are ordinary characters."""
     if not isinstance(text, str):
       raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
     for wanted, name, token_id in ((bos, "bos", self.bos_id), (eos, "eos", self.eos_id)):
@@ -97,29 +180,38 @@ class Tokenizer:
         raise TokenizerError(f"{self.path!r} has no {name} token; call encode with {name}=False")
     return self._sp.encode(text, add_bos=bos, add_eos=eos)
 
+  def encode_rendered(self, text: str, plain_mark: str) -> tuple[list[int], list[int]]:
+    """(ids, where each token's text ends) of a rendered chat template: special-token texts become their ids, each
+    stretch between them is encoded on its own (as HF's conversion of the model encodes it, dummy prefix included),
+    and stretches between two `plain_mark`s are plain text. Ends are character offsets in the text without the
+    marks."""
+    ids: list[int] = []
+    ends: list[int] = []
+    shift = 0
+    by_text = {self.id_to_piece(i): i for i in self.special_ids}
+    pattern = re.compile("(" + "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) + ")")
+    for k, stretch in enumerate(text.split(plain_mark)):
+      for part in [stretch] if k % 2 else pattern.split(stretch):
+        if not k % 2 and part in by_text:
+          ids.append(by_text[part])
+          ends.append(shift + len(part))
+        elif part:
+          end = shift
+          for piece in self._sp.encode(part, return_type="proto").pieces:
+            end += len(piece.surface)  # a byte-fallback character's last byte piece carries it
+            ids.append(piece.id)
+            ends.append(end)
+        shift += len(part)
+    return ids, ends
+
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """Encodes many texts on sentencepiece's thread pool, without bos/eos."""
-    if isinstance(texts, str):
-      raise TokenizerError("encode_batch expects a list of str, got one str; use encode")
-    texts = list(texts)
-    for i, text in enumerate(texts):
-      if not isinstance(text, str):
-        raise TokenizerError(f"encode_batch expects a list of str; item {i} is a {type(text).__name__}")
-    return self._sp.encode(texts, add_bos=False, add_eos=False)
+    return self._sp.encode(self._check_texts(texts), add_bos=False, add_eos=False)
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of a 1-d sequence of ids (list or array); control ids (bos, eos, pad) decode to nothing."""
-    ids_array = np.asarray(ids if hasattr(ids, "shape") else list(ids))
-    if ids_array.size == 0:
-      return ""
-    if ids_array.ndim != 1 or not np.issubdtype(ids_array.dtype, np.integer):
-      raise TokenizerError(
-        f"decode expects a 1-d sequence of integer ids, got shape {ids_array.shape} of {ids_array.dtype}"
-      )
-    bad = ids_array[(ids_array < 0) | (ids_array >= self.vocab_size)]
-    if bad.size:
-      raise TokenizerError(f"token id {int(bad[0])} is out of range [0, {self.vocab_size})")
-    return self._sp.decode(ids_array.tolist())
+    ids_array = self._check_ids(ids)
+    return "" if ids_array is None else self._sp.decode(ids_array.tolist())
 
   def id_to_piece(self, token_id: int) -> str:
     """The vocabulary entry of one id ("▁the", "<0x0A>", "</s>")."""
@@ -148,17 +240,45 @@ class Tokenizer:
     """The model proto, byte for byte what a ``.model`` file holds (to copy into checkpoint directories)."""
     return self._sp.serialized_model_proto()
 
+  def main_file_bytes(self) -> bytes:
+    return self.serialized()
 
-def load_tokenizer_dir(directory: str) -> Tokenizer | None:
-  """The tokenizer of a checkpoint or model directory (local or remote) with its generation config, or None when it
-  holds no tokenizer."""
-  model = paths.path(directory, TOKENIZER_FILE)
-  if not model.is_file():
+
+def _chat_template_source(side_files: Mapping[str, bytes], directory: str) -> tuple[str, str] | None:
+  """(template, where it came from) of a checkpoint: chat_template.jinja, else tokenizer_config.json's
+  ``chat_template`` (a string, or named templates of which "default" is the chat one), else None."""
+  if CHAT_TEMPLATE_FILE in side_files:
+    name = os.path.join(directory, CHAT_TEMPLATE_FILE)
+    try:
+      return side_files[CHAT_TEMPLATE_FILE].decode("utf-8"), name
+    except UnicodeDecodeError as e:
+      raise TokenizerError(f"{name} is not UTF-8 text: {e}") from None
+  config = json_side_file(side_files, TOKENIZER_CONFIG_FILE, directory)
+  template = config.get("chat_template")
+  name = f"{os.path.join(directory, TOKENIZER_CONFIG_FILE)} chat_template"
+  if isinstance(template, list):
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("default")
+  if template is None:
     return None
-  generation = paths.path(directory, GENERATION_CONFIG_FILE)
-  if not generation.is_file():
-    return Tokenizer(paths.local_file(str(model)))
-  return Tokenizer(paths.local_file(str(model)), generation.read_bytes(), str(generation))
+  if not isinstance(template, str):
+    raise TokenizerError(f"{name} must be a string (or a list of named templates with a 'default')")
+  return template, name
+
+
+def json_side_file(side_files: Mapping[str, bytes], file_name: str, directory: str) -> dict:
+  """The JSON object of one side file, {} when absent; TokenizerError naming the file when it is not one."""
+  raw = side_files.get(file_name)
+  if raw is None:
+    return {}
+  name = os.path.join(directory, file_name)
+  try:
+    value = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise TokenizerError(f"{name} is not valid JSON: {e}") from e
+  if not isinstance(value, dict):
+    raise TokenizerError(f"{name} must hold a JSON object, not {type(value).__name__}")
+  return value
 
 
 def _generation_stop_ids(raw: bytes | None, vocab_size: int, name: str) -> tuple[int, ...]:

@@ -46,8 +46,8 @@ def chat_session(
   interactive: bool,
 ) -> None:
   """A multi-turn chat: each user turn from `turns` (an iterator of lines) gets a reply, with the whole history in
-  the LLaMA 2 template. When history and reply would overflow max_seq_len, the oldest exchanges are dropped, with a
-  notice on stderr. Interactive sessions stream the reply."""
+  the checkpoint's chat template (LLaMA 2's when it has none). When history and reply would overflow max_seq_len, the
+  oldest exchanges are dropped, with a notice on stderr. Interactive sessions stream the reply."""
   history: list[dict] = []
   for turn_index, line in enumerate(turns):
     user = line.strip()

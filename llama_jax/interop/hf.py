@@ -46,8 +46,9 @@ from llama_jax.interop.hf_config import (
 from llama_jax.interop.output import (
   ConvertError,
   check_new_output,
-  generation_config_in,
+  check_tokenizer,
   new_output_dir,
+  tokenizer_extras_in,
   tokenizer_in,
 )
 from llama_jax.interop.safetensors_stream import INDEX_FILE, row_blocks
@@ -362,7 +363,8 @@ def write_hf_dir(
 def write_hf_metadata(
   out_dir: str, cfg: ModelConfig, tokenizer_path: str | None, extra_files: Mapping[str, bytes] | None = None
 ) -> None:
-  """config.json, the tokenizer with its tokenizer_config.json, and `extra_files` (the generation config) as given."""
+  """config.json, the tokenizer, and `extra_files` (tokenizer.json and the tokenizer's side files) as given; a
+  sentencepiece tokenizer without a tokenizer_config.json gets one."""
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config_from_model_config(cfg), f, indent=2)
   for name, content in (extra_files or {}).items():
@@ -370,7 +372,8 @@ def write_hf_metadata(
       f.write(content)
   if tokenizer_path:
     shutil.copyfile(tokenizer_path, os.path.join(out_dir, paths.TOKENIZER_FILE))
-    _write_tokenizer_config(out_dir, tokenizer_path)
+    if paths.TOKENIZER_CONFIG_FILE not in (extra_files or {}):
+      _write_tokenizer_config(out_dir, tokenizer_path)
 
 
 def _write_tokenizer_config(out_dir: str, tokenizer_path: str) -> None:
@@ -397,10 +400,11 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
   check_new_output(out_dir)
   cfg, reader = open_hf_dir(hf_dir)
   with contextlib.closing(reader):
+    check_tokenizer(hf_dir, cfg.vocab_size)
     params = _params_from_rows(cfg, reader.read_rows, lambda name: reader.entries[name].path)
   with new_output_dir(out_dir) as scratch:
     checkpoint_params.save_params_dir(
-      scratch, cfg, params, tokenizer_path=tokenizer_in(hf_dir), extra_files=generation_config_in(hf_dir)
+      scratch, cfg, params, tokenizer_path=tokenizer_in(hf_dir), extra_files=tokenizer_extras_in(hf_dir)
     )
   return cfg
 
@@ -413,5 +417,5 @@ def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, s
   reader = checkpoint_params.open_reader(checkpoint_dir, step)
   with contextlib.closing(reader), new_output_dir(out_dir) as scratch:
     write_hf_tensors(scratch, reader.cfg, reader.read_leaf, max_shard_bytes)
-    write_hf_metadata(scratch, reader.cfg, tokenizer_in(checkpoint_dir), generation_config_in(checkpoint_dir))
+    write_hf_metadata(scratch, reader.cfg, tokenizer_in(checkpoint_dir), tokenizer_extras_in(checkpoint_dir))
   return reader.cfg

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
+from llama_jax.data.tokenizer_files import load_tokenizer_dir, tokenizer_files_in
 
 
 class ConvertError(LlamaJaxError, ValueError):
@@ -49,8 +50,20 @@ def tokenizer_in(directory: str) -> str | None:
   return paths.local_file(str(path)) if path.is_file() else None
 
 
-def generation_config_in(directory: str) -> dict[str, bytes]:
-  """{generation_config.json: its bytes} when the directory being converted has one (its eos_token_id stops
-  decoding), else {}: copied along as it is."""
-  path = paths.path(directory, paths.GENERATION_CONFIG_FILE)
-  return {paths.GENERATION_CONFIG_FILE: path.read_bytes()} if path.is_file() else {}
+def check_tokenizer(directory: str, vocab_rows: int) -> None:
+  """Loads the tokenizer a directory being converted holds, if any, so that a broken one (bad JSON, a chat template
+  that does not compile, a special token outside its vocabulary) or one with more tokens than the model has
+  embedding rows fails the conversion before anything is written."""
+  tokenizer = load_tokenizer_dir(directory)
+  if tokenizer is not None and tokenizer.vocab_size > vocab_rows:
+    raise ConvertError(
+      f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model's embedding has {vocab_rows} rows: "
+      "they are not the same model's"
+    )
+
+
+def tokenizer_extras_in(directory: str) -> dict[str, bytes]:
+  """The tokenizer files of a directory being converted other than tokenizer.model, by name: tokenizer.json and the
+  side files (tokenizer_config.json with the chat template, chat_template.jinja, special_tokens_map.json,
+  generation_config.json), copied along as they are."""
+  return {name: data for name, data in tokenizer_files_in(directory).items() if name != paths.TOKENIZER_FILE}

@@ -26,8 +26,8 @@ from llama_jax.interop.hf_config import check_hf_expressible
 from llama_jax.interop.output import (
   ConvertError,
   check_new_output,
-  generation_config_in,
   new_output_dir,
+  tokenizer_extras_in,
   tokenizer_in,
 )
 from llama_jax.model import lora as lora_lib
@@ -95,7 +95,7 @@ def merge_lora(checkpoint_dir: str, out_dir: str, step: int | None = None) -> Mo
       lambda path, _: reader.read_leaf(tuple(k.key for k in path)), empty_params(cfg)
     )
   with new_output_dir(out_dir) as scratch:
-    tokenizer, generation = tokenizer_in(checkpoint_dir), generation_config_in(checkpoint_dir)
+    tokenizer, generation = tokenizer_in(checkpoint_dir), tokenizer_extras_in(checkpoint_dir)
     checkpoint_params.save_params_dir(scratch, cfg, params, tokenizer_path=tokenizer, extra_files=generation)
   return cfg
 

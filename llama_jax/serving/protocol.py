@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llama_jax.data import chat_template
+from llama_jax.data.jinja_chat import ChatTemplateError
 from llama_jax.inference.sampling import LIMITS
 from llama_jax.inference.slots import TOP_LOGPROBS
 
@@ -178,8 +179,10 @@ def encode(tokenizer, text: str, param: str, bos: bool = False) -> list[int]:
 
 
 def parse_messages(body: dict, tokenizer) -> list[int]:
-  """`messages` in the LLaMA 2 chat template (``chat_template.py``): an optional system message, then user and assistant
-  turns alternating, ending with a user turn. Content may be a string or a list of text parts."""
+  """`messages` in the checkpoint's chat template (LLaMA 2's when it has none, ``chat_template.py``): an optional system
+  message, then user and assistant turns alternating, ending with a user turn. Content may be a string or a list of
+  text parts. A conversation the template refuses, or a template that fails on it, is a 400 with the template's
+  words."""
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise bad_value("messages", "must be a non-empty list of {role, content} objects")
@@ -199,7 +202,10 @@ def parse_messages(body: dict, tokenizer) -> list[int]:
     raise bad_value("messages", str(error)) from None
   for message in plain:
     encode(tokenizer, message["content"], "messages")  # text the tokenizer refuses is the client's error
-  return chat_template.encode_dialog(tokenizer, plain).tokens
+  try:
+    return chat_template.encode_dialog(tokenizer, plain).tokens
+  except (chat_template.ConversationError, ChatTemplateError) as error:
+    raise bad_value("messages", str(error)) from None
 
 
 def parse_logprobs(body: dict, *, chat_api: bool) -> int | None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from llama_jax.core import paths
 from llama_jax.data import tokenizer as tokenizer_lib
-from llama_jax.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer_dir, train_tokenizer
+from llama_jax.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from tests import conftest
 from tests.conftest import META_TOKENIZER as TOKENIZER_FIXTURE
 from tests.conftest import ROOT, needs_meta_tokenizer, require_meta_tokenizer, require_shakespeare
@@ -382,7 +383,7 @@ def test_a_generation_config_adds_stop_ids_and_travels_with_the_tokenizer(traine
   directory.mkdir()
   write_bytes(directory, paths.TOKENIZER_FILE, trained.serialized())
   assert load_tokenizer_dir(str(directory)).stop_ids == (trained.eos_id,)
-  assert load_tokenizer_dir(str(tmp_path)) is None  # no tokenizer.model there
+  assert load_tokenizer_dir(str(tmp_path)) is None  # no tokenizer.model or tokenizer.json there
   for value, stops in ((7, (trained.eos_id, 7)), ([9, 7], (trained.eos_id, 7, 9)), (None, (trained.eos_id,))):
     raw = json.dumps({"eos_token_id": value, "temperature": 0.6}).encode()
     (directory / paths.GENERATION_CONFIG_FILE).write_bytes(raw)

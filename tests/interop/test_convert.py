@@ -20,6 +20,7 @@ from llama_jax.core import model_config as model_config_lib
 from llama_jax.core import paths
 from llama_jax.core import run_config as run_config_lib
 from llama_jax.core.model_config import ModelConfig
+from llama_jax.data import chat_template as chat_lib
 from llama_jax.interop import hf, meta, safetensors_stream
 from llama_jax.interop import hf_config as hf_config_lib
 from llama_jax.model.llama import Llama
@@ -552,3 +553,46 @@ def test_a_generation_config_travels_through_from_hf_and_to_hf(tmp_path):
   assert convert_lib.main(["--to_hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
   assert (tmp_path / "back" / paths.GENERATION_CONFIG_FILE).read_bytes() == original
   assert transformers.GenerationConfig.from_pretrained(str(tmp_path / "back")).eos_token_id == [2, 7, 9]
+
+
+def test_an_hf_tokenizer_and_its_chat_template_travel_through_from_hf_and_to_hf(tmp_path, smollm2_tokenizer):
+  """tokenizer.json, tokenizer_config.json and chat_template.jinja (SmolLM2's) are copied into the checkpoint, which
+  then loads the tokenizers back end with the template, and written back by to_hf, where transformers renders the
+  same conversation to the same ids."""
+  from llama_jax.data.hf_tokenizer import HFTokenizer
+
+  cfg = CFG.replace(vocab_size=49152)
+  _, hf_dir = save_hf(tmp_path, cfg)
+  names = (paths.HF_TOKENIZER_FILE, paths.TOKENIZER_CONFIG_FILE, paths.CHAT_TEMPLATE_FILE)
+  for name in names:
+    (tmp_path / "hf" / name).write_bytes(open(os.path.join(smollm2_tokenizer, name), "rb").read())
+  assert convert_lib.main(["--from_hf", hf_dir, "--out", str(tmp_path / "ckpt")]) == 0
+  tokenizer = checkpoint_params.load_tokenizer(str(tmp_path / "ckpt"), "test")
+  assert isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is not None
+  assert convert_lib.main(["--to_hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
+  for name in names:
+    assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+  back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+  expected = list(back.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+  assert chat_lib.encode_dialog(tokenizer, messages).tokens == expected
+
+
+def test_a_tokenizer_with_more_tokens_than_embedding_rows_is_refused(tmp_path, smollm2_tokenizer):
+  _, hf_dir = save_hf(tmp_path)  # 256 rows
+  for name in (paths.HF_TOKENIZER_FILE, paths.TOKENIZER_CONFIG_FILE):
+    (tmp_path / "hf" / name).write_bytes(open(os.path.join(smollm2_tokenizer, name), "rb").read())
+  result = run_cli("--from_hf", hf_dir, "--out", str(tmp_path / "ckpt"))
+  assert_one_line_error(result, "tokenizer.json has 49152 tokens but the model's embedding has 256 rows")
+  assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_by_convert(tmp_path, smollm2_tokenizer):
+  cfg = CFG.replace(vocab_size=49152)
+  _, hf_dir = save_hf(tmp_path, cfg)
+  for name in (paths.HF_TOKENIZER_FILE, paths.TOKENIZER_CONFIG_FILE):
+    (tmp_path / "hf" / name).write_bytes(open(os.path.join(smollm2_tokenizer, name), "rb").read())
+  (tmp_path / "hf" / paths.CHAT_TEMPLATE_FILE).write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+  result = run_cli("--from_hf", hf_dir, "--out", str(tmp_path / "ckpt"))
+  assert_one_line_error(result, "chat_template.jinja: the chat template does not compile, line 2")
+  assert not (tmp_path / "ckpt").exists()
