@@ -29,6 +29,7 @@ from tests.conftest import META_TOKENIZER as TOKENIZER_FIXTURE
 from tests.conftest import ROOT, needs_meta_tokenizer
 
 CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=128)
+META_VOCAB_CFG = CFG.replace(vocab_size=32000)
 
 
 def save_hf(tmp_path, cfg=CFG, dtype=torch.float32, **save_kwargs):
@@ -98,7 +99,7 @@ def test_converted_checkpoint_gives_hf_logits_and_exports_a_dir_transformers_loa
 
 @needs_meta_tokenizer  # skips without the fixture, fails under CI=true
 def test_tokenizer_model_travels_with_the_checkpoint(tmp_path):
-  _, hf_dir = save_hf(tmp_path)
+  _, hf_dir = save_hf(tmp_path, META_VOCAB_CFG)  # as many embedding rows as the tokenizer has tokens
   with open(TOKENIZER_FIXTURE, "rb") as src, open(os.path.join(hf_dir, "tokenizer.model"), "wb") as dst:
     dst.write(src.read())
   hf.from_hf(hf_dir, str(tmp_path / "ckpt"))
@@ -114,7 +115,7 @@ def test_exported_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path):
   included, and decodes them back to the same text."""
   from llama_jax.data.tokenizer import Tokenizer
 
-  _, hf_dir = save_hf(tmp_path)
+  _, hf_dir = save_hf(tmp_path, META_VOCAB_CFG)  # as many embedding rows as the tokenizer has tokens
   with open(TOKENIZER_FIXTURE, "rb") as src, open(os.path.join(hf_dir, "tokenizer.model"), "wb") as dst:
     dst.write(src.read())
   hf.from_hf(hf_dir, str(tmp_path / "ckpt"))
