@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import tokenizers
 
+from llama_jax.core import paths
 from llama_jax.core.paths import HF_TOKENIZER_FILE, SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE
 from llama_jax.data.tokenizer import TokenizerBase, TokenizerError, json_side_file
 
@@ -55,7 +55,7 @@ class HFTokenizer(TokenizerBase):
   main_file = HF_TOKENIZER_FILE
 
   def __init__(self, tokenizer_json: bytes, side_files: Mapping[str, bytes] | None = None, directory: str = ""):
-    self.path = os.path.join(directory, HF_TOKENIZER_FILE)
+    self.path = str(paths.path(directory, HF_TOKENIZER_FILE))
     try:
       self._spec = json.loads(tokenizer_json)
       self._tok = tokenizers.Tokenizer.from_str(tokenizer_json.decode("utf-8"))
@@ -73,7 +73,7 @@ class HFTokenizer(TokenizerBase):
         value = value.get("content")
       token_id = self._tok.token_to_id(value) if isinstance(value, str) else None
       if value is not None and token_id is None:
-        where = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+        where = str(paths.path(directory, TOKENIZER_CONFIG_FILE))
         raise TokenizerError(f"{where}: {name} {value!r} is not in the vocabulary of {self.path}")
       self._ids[name] = -1 if token_id is None else token_id
     # The post-processor decides, as in transformers 5, which ignores tokenizer_config.json's add_bos_token for a

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
 from llama_jax.core.paths import CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from llama_jax.data.jinja_chat import PLAIN_MARK, JinjaChatTemplate
@@ -51,7 +52,7 @@ class TokenizerBase:
 
   def _init_side_files(self, side_files: Mapping[str, bytes] | None, directory: str) -> None:
     self._side_files = {name: content for name, content in (side_files or {}).items() if content is not None}
-    name = os.path.join(directory, GENERATION_CONFIG_FILE)
+    name = str(paths.path(directory, GENERATION_CONFIG_FILE))
     self._extra_stops = _generation_stop_ids(self._side_files.get(GENERATION_CONFIG_FILE), self.vocab_size, name)
     template = _chat_template_source(self._side_files, directory)
     if template is not None:
@@ -248,14 +249,14 @@ def _chat_template_source(side_files: Mapping[str, bytes], directory: str) -> tu
   """(template, where it came from) of a checkpoint: chat_template.jinja, else tokenizer_config.json's
   ``chat_template`` (a string, or named templates of which "default" is the chat one), else None."""
   if CHAT_TEMPLATE_FILE in side_files:
-    name = os.path.join(directory, CHAT_TEMPLATE_FILE)
+    name = str(paths.path(directory, CHAT_TEMPLATE_FILE))
     try:
       return side_files[CHAT_TEMPLATE_FILE].decode("utf-8"), name
     except UnicodeDecodeError as e:
       raise TokenizerError(f"{name} is not UTF-8 text: {e}") from None
   config = json_side_file(side_files, TOKENIZER_CONFIG_FILE, directory)
   template = config.get("chat_template")
-  name = f"{os.path.join(directory, TOKENIZER_CONFIG_FILE)} chat_template"
+  name = f"{paths.path(directory, TOKENIZER_CONFIG_FILE)} chat_template"
   if isinstance(template, list):
     named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
     template = named.get("default")
@@ -271,7 +272,7 @@ def json_side_file(side_files: Mapping[str, bytes], file_name: str, directory: s
   raw = side_files.get(file_name)
   if raw is None:
     return {}
-  name = os.path.join(directory, file_name)
+  name = str(paths.path(directory, file_name))
   try:
     value = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
