@@ -189,8 +189,7 @@ class Tokenizer(TokenizerBase):
     ids: list[int] = []
     ends: list[int] = []
     shift = 0
-    by_text = {self.id_to_piece(i): i for i in self.special_ids}
-    pattern = re.compile("(" + "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) + ")")
+    by_text, pattern = self._special_splitter
     for k, stretch in enumerate(text.split(plain_mark)):
       for part in [stretch] if k % 2 else pattern.split(stretch):
         if not k % 2 and part in by_text:
@@ -204,6 +203,13 @@ class Tokenizer(TokenizerBase):
             ends.append(end)
         shift += len(part)
     return ids, ends
+
+  @functools.cached_property
+  def _special_splitter(self) -> tuple[dict[str, int], re.Pattern]:
+    """Special-token texts → ids, and the pattern that splits text at them (longest first), built once: a
+    conversation is encoded once per assistant turn and once whole."""
+    by_text = {self.id_to_piece(i): i for i in self.special_ids}
+    return by_text, re.compile("(" + "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) + ")")
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """Encodes many texts on sentencepiece's thread pool, without bos/eos."""
