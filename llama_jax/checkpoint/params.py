@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +49,18 @@ SHAPE_FIELDS = (
   "param_dtype",
   "norm",
   "norm_position",
+)
+# Fields that change the function the parameters compute but not their shapes: a fine-tune whose config differs from
+# its init_from in one of them is warned about, not refused (raising rope_theta to extend the context is a known
+# fine-tune). norm_eps compares within 1e-6 relative: HF configs converted from float32 files hold 9.9999997e-06.
+FUNCTION_FIELDS = (
+  "norm_eps",
+  "rope_theta",
+  "rope_scaling",
+  "rope_scaling_factor",
+  "rope_low_freq_factor",
+  "rope_high_freq_factor",
+  "rope_original_max_len",
 )
 # A host leaf is checked for NaN and infinity this many bytes at a time: a mask of a whole 7B leaf would be a large
 # temporary.
@@ -89,12 +103,26 @@ def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
 
 
 def check_same_model(init_from: str, model_cfg: ModelConfig) -> None:
-  """Refuses a run's `init_from` whose model differs from the run's in a shape field: its parameters would not fit."""
-  differences = shape_differences(read_model_config(init_from), model_cfg)
+  """Refuses a run's `init_from` whose model differs from the run's in a shape field (its parameters would not fit),
+  and warns when it differs in a function field (FUNCTION_FIELDS: the run would tune another function)."""
+  saved_cfg = read_model_config(init_from)
+  differences = shape_differences(saved_cfg, model_cfg)
   if differences:
     raise CheckpointError(
       f"init_from {init_from!r} holds a different model ({', '.join(differences)}); its model config must match "
       f"this run's"
+    )
+  changed = [
+    f"{name} {saved} → {current}"
+    for name in FUNCTION_FIELDS
+    for saved, current in [(getattr(saved_cfg, name), getattr(model_cfg, name))]
+    if not (saved == current or (isinstance(saved, float) and math.isclose(saved, current, rel_tol=1e-6)))
+  ]
+  if changed:
+    logging.warning(
+      "init_from %r computes with other settings (%s): this run trains the model with its own",
+      init_from,
+      ", ".join(changed),
     )
 
 

@@ -206,10 +206,10 @@ def prepare_preference(
   on_error: str = "skip",
   verify: bool = False,
 ) -> dict[str, Any]:
-  """Encodes pairs with the LLaMA 2 chat template into rows of seq_len, in the prepared-data cache of prepared.py as
-  SFT rows are (each .npy file's size and sha256 in meta.json, token ids checked against the vocabulary). Split by
-  pair location: a seeded `val_fraction` of the pairs is held out. meta.json counts the pairs skipped (bad lines and
-  pairs too long) and keeps the first few problems."""
+  """Encodes pairs in the tokenizer's chat template (LLaMA 2's without one) into rows of seq_len, in the
+  prepared-data cache of prepared.py as SFT rows are (each .npy file's size and sha256 in meta.json, token ids checked
+  against the vocabulary). Split by pair location: a seeded `val_fraction` of the pairs is held out. meta.json counts
+  the pairs skipped (bad lines and pairs too long) and keeps the first few problems."""
   try:
     pairs, problems = load_pairs(sources, on_error)
   except DataError as e:

@@ -1,9 +1,10 @@
 """Pretraining text: documents tokenized once into on-disk token shards, then read as windows of seq_len + 1 tokens.
 
-``prepare`` writes ``train.bin`` / ``val.bin`` (each document as bos + tokens + eos, concatenated; uint16 when the
-vocabulary fits) and ``meta.json`` (the prepared-data cache of prepared.py: counts, each shard's size and sha256, a
-fingerprint of sources + tokenizer), so a second run with the same inputs reuses the files. Documents named by the
-validation sources are removed from training: the split is by document.
+``prepare`` writes ``train.bin`` / ``val.bin`` (each document as bos + tokens + eos, no bos for tokenizers that start
+documents without one; concatenated; uint16 when the vocabulary fits) and ``meta.json`` (the prepared-data cache of
+prepared.py: counts, each shard's size and sha256, a fingerprint of sources + tokenizer), so a second run with the
+same inputs reuses the files. Documents named by the validation sources are removed from training: the split is by
+document.
 
 Batches: the token stream is cut into windows of seq_len + 1 tokens (inputs = window[:-1], targets = window[1:]),
 shuffled by seed (a new permutation each epoch), and split across JAX processes so each reads a disjoint part of every
@@ -55,11 +56,12 @@ def _write_split(
     def flush():
       nonlocal size
       for ids in tokenizer.encode_batch(batch):
-        chunk = np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype).tobytes()
+        document = tokenizer.document_ids(ids)
+        chunk = np.asarray(document, dtype=dtype).tobytes()
         out.write(chunk)
         digest.update(chunk)
         size += len(chunk)
-        counts["tokens"] += len(ids) + 2
+        counts["tokens"] += len(document)
       batch.clear()
 
     for ref in refs:
@@ -165,10 +167,10 @@ class TokenWindows:
 
 
 def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str = "text") -> np.ndarray:
-  """The documents as one in-memory token stream (bos + tokens + eos each), for evaluating files not prepared."""
+  """The documents as one in-memory token stream (``document_ids`` each), for evaluating files not prepared."""
   texts = [read_document(ref, text_field)[0] for ref in refs]
   ids = tokenizer.encode_batch([t for t in texts if t.strip()])
-  return np.asarray([t for doc in ids for t in (tokenizer.bos_id, *doc, tokenizer.eos_id)], dtype=np.int32)
+  return np.asarray([t for doc in ids for t in tokenizer.document_ids(doc)], dtype=np.int32)
 
 
 def open_split(prepared_dir: str, split: str, seq_len: int) -> TokenWindows:

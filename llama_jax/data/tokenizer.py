@@ -68,6 +68,12 @@ class TokenizerBase:
     stops = {self.eos_id, *self._extra_stops, -1 if self.end_of_turn_id is None else self.end_of_turn_id}
     return tuple(sorted(stops - {-1}))
 
+  def document_ids(self, ids: Sequence[int]) -> list[int]:
+    """A document's ids as pretraining and evaluation streams hold them: bos first where this tokenizer starts
+    documents with one (``adds_bos``: Meta's and Llama 3's do, SmolLM2's and GPT-2-style ones do not), eos last as
+    the boundary the model learns to end on."""
+    return [self.bos_id] * self.adds_bos + list(ids) + [self.eos_id]
+
   def files(self) -> dict[str, bytes]:
     """The files that make up this tokenizer in a checkpoint directory, by name (to copy it into one)."""
     return {self.main_file: self.main_file_bytes(), **self._side_files}

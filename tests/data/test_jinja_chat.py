@@ -194,6 +194,27 @@ def test_long_conversations_lose_their_oldest_exchanges_and_keep_the_system_prom
   assert sum(cut.loss_mask) < sum(whole.loss_mask)
 
 
+def test_the_exchanges_dropped_are_the_fewest_that_fit_at_every_length(smollm2_tokenizer, llama3_style_tokenizer):
+  """The count of oldest exchanges dropped (found from an estimate) is what dropping one at a time until the rest fits
+  gives, at every max_len, for exchanges of very uneven lengths and with or without a system prompt."""
+  rng = random.Random(3)
+  for directory in (smollm2_tokenizer, llama3_style_tokenizer):
+    ours = load_tokenizer_dir(directory)
+    for system in ([], [{"role": "system", "content": "Be brief."}]):
+      messages = list(system)
+      for _ in range(9):
+        messages += [
+          {"role": "user", "content": " ".join(rng.choice(USERS) for _ in range(rng.choice((1, 1, 6))))},
+          {"role": "assistant", "content": " ".join(rng.choice(ASSISTANTS) for _ in range(rng.choice((1, 4))))},
+        ]
+      whole = len(chat_template.encode_dialog(ours, messages).tokens)
+      lengths = [chat_template.encode_dialog(ours, system + messages[len(system) + 2 * d :]).tokens for d in range(9)]
+      for max_len in range(len(lengths[-1]), whole + 1, 7):
+        expected = next(d for d in range(9) if len(lengths[d]) <= max_len)
+        encoded = chat_template.encode_dialog(ours, messages, max_len=max_len)
+        assert (encoded.dropped_exchanges, encoded.tokens) == (expected, lengths[expected]), max_len
+
+
 def test_template_errors_name_the_template_and_line(smollm2_tokenizer):
   with pytest.raises(ChatTemplateError, match=r"my.jinja: the chat template does not compile, line 2: "):
     JinjaChatTemplate("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}", "my.jinja", {})
