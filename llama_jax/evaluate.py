@@ -24,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--checkpoint", required=True, help="llama_jax checkpoint directory (a workdir or convert output)"
   )
-  parser.add_argument("--data", nargs="*", default=[], help="files, directories, globs, *.jsonl or 'shakespeare:...'")
+  parser.add_argument(
+    "--data",
+    nargs="*",
+    default=[],
+    help="files, directories or globs, local or gs:// (text, .jsonl[.gz|.zst], .parquet, ArrayRecord), or "
+    "'shakespeare:...'",
+  )
   parser.add_argument("--seq_len", type=int, default=0, help="tokens per window (default: the run's seq_len)")
   parser.add_argument("--batch_size", type=int, default=0, help="windows per batch (default: the run's batch_size)")
   parser.add_argument("--max_batches", type=int, default=0, help="0: the whole text")

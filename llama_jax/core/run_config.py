@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -174,7 +175,10 @@ class DataConfig(Section):
   """Where the tokens come from and how they are split."""
 
   SECTION = "data"
-  sources: tuple[str, ...] = ("shakespeare",)  # files, directories, globs, *.jsonl, "shakespeare[:play,play]" ...
+  # Files, directories or globs, local or gs:// (text, .jsonl[.gz|.zst], .parquet, ArrayRecord), or
+  # "shakespeare[:play,play]". Each may carry a weight, (("web/*.parquet", 0.7), ("code/*.jsonl.zst", 0.3)): a
+  # mixture, whose weights are shares of the training windows (so of tokens), drawn in a fixed pattern by seed.
+  sources: tuple[str | tuple, ...] = ("shakespeare",)
   val_sources: tuple[str, ...] = ()  # documents for validation (removed from training); empty: val_fraction
   val_fraction: float = 0.0  # a seeded hash split of documents (text) or conversations (chat)
   text_field: str = "text"  # JSONL field holding the document text
@@ -188,9 +192,8 @@ class DataConfig(Section):
   verify: bool = False
 
   def __post_init__(self):
+    object.__setattr__(self, "sources", _sources(self.sources))
     self.check_types()
-    if not self.sources or not all(s.strip() for s in self.sources):
-      raise ConfigError(f"data.sources must name at least one source, none empty; got {self.sources!r}")
     check_range("data.val_fraction", self.val_fraction, 0, 1, high_open=True)
     check_range("data.vocab_size", self.vocab_size, 1)
     if not self.text_field:
@@ -201,11 +204,58 @@ class DataConfig(Section):
       raise ConfigError(
         f"set data.val_sources or data.val_fraction, not both (got {self.val_sources!r} and {self.val_fraction})"
       )
+    if self.weights is not None and self.format != "text":
+      raise ConfigError(
+        f"data.sources with weights (a mixture) are for data.format='text'; data.format={self.format!r} takes "
+        f"plain sources"
+      )
     if self.val_sources and self.format != "text":
       raise ConfigError(
         f"data.val_sources {self.val_sources!r} is not used with data.format={self.format!r}: conversations "
         f"and pairs are held out by data.val_fraction"
       )
+
+  @property
+  def specs(self) -> tuple[str, ...]:
+    """The source specs, without their weights."""
+    return tuple(s if isinstance(s, str) else s[0] for s in self.sources)
+
+  @property
+  def weights(self) -> tuple[float, ...] | None:
+    """The mixture's weights, normalised to sum to 1; None when the sources carry none."""
+    if all(isinstance(s, str) for s in self.sources):
+      return None
+    total = sum(s[1] for s in self.sources)
+    return tuple(s[1] / total for s in self.sources)
+
+
+def _sources(value: Any) -> tuple:
+  """data.sources checked and normalised (JSON's lists to tuples): all plain specs, or all (spec, weight > 0)."""
+  example = "data.sources=(('web/*.parquet', 0.7), ('code/*.jsonl.zst', 0.3))"
+  if isinstance(value, str) or not isinstance(value, (tuple, list)) or not value:
+    raise ConfigError(
+      f"data.sources must name at least one source, as a tuple, e.g. data.sources=('corpus/*.txt',); got {value!r}"
+    )
+  out = []
+  for entry in value:
+    if isinstance(entry, (tuple, list)):
+      ok = len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], (int, float))
+      ok = ok and not isinstance(entry[1], bool) and math.isfinite(entry[1]) and entry[1] > 0
+      if not ok:
+        raise ConfigError(f"a weighted source is (spec, weight > 0), e.g. {example}; got {entry!r}")
+      entry = (entry[0], float(entry[1]))
+    elif not isinstance(entry, str):
+      raise ConfigError(f"data.sources entries are strings or (spec, weight) pairs; got {entry!r}")
+    spec = entry if isinstance(entry, str) else entry[0]
+    if not spec.strip():
+      raise ConfigError(f"data.sources must name at least one source, none empty; got {value!r}")
+    out.append(entry)
+  if len({isinstance(e, str) for e in out}) > 1:
+    raise ConfigError(f"give every source a weight (a mixture, e.g. {example}) or none; got {value!r}")
+  specs = [e if isinstance(e, str) else e[0] for e in out]
+  if not isinstance(out[0], str) and len(set(specs)) < len(specs):
+    raise ConfigError(f"a mixture names a source twice (one weight each): {value!r}")
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

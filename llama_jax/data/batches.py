@@ -17,11 +17,19 @@ def process_batches(source, global_batch: int, seed: int, process_index: int, pr
   """Endless shuffled batches: global batch i is examples perm[i·B : (i+1)·B]; process p reads only rows
   [p·B/P, (p+1)·B/P) of it, so the global array assembled from all processes (in process order) is the same batch a
   single process would read, and the iterator state (a batch count) means the same for any number of processes."""
+  return batches_of(
+    grain.MapDataset.source(source).shuffle(seed=seed).repeat(None), global_batch, process_index, process_count
+  )
+
+
+def batches_of(
+  examples: grain.MapDataset, global_batch: int, process_index: int, process_count: int
+) -> grain.MapDataset:
+  """This process's rows of each global batch of an endless dataset of examples (see process_batches)."""
   if global_batch % process_count:
     raise DataError(f"train.batch_size {global_batch} is not divisible by the {process_count} processes")
   local = global_batch // process_count
-  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None).batch(local, drop_remainder=True)
-  return dataset[process_index::process_count]
+  return examples.batch(local, drop_remainder=True)[process_index::process_count]
 
 
 def eval_batches(

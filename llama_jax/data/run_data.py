@@ -50,7 +50,7 @@ def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[
       f.write(line + "\n")
   if not has_text:
     os.remove(corpus)
-    raise sources.DataError(f"the training sources {list(run_config.data.sources)} contain no text")
+    raise sources.DataError(f"the training sources {list(run_config.data.specs)} contain no text")
   path = train_tokenizer([corpus], run_config.data.vocab_size, corpus_dir, overwrite=True)
   os.remove(corpus)
   return Tokenizer(path)
@@ -75,16 +75,14 @@ def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[TokenizerBase
 def _document_texts(run_config: RunConfig) -> Iterator[str]:
   # Resolved only to train a tokenizer: missing sources are left to `prepare`, which names a damaged shard first.
   data_cfg = run_config.data
-  train_docs, _ = sources.split_documents(
-    data_cfg.sources, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
-  )
-  return (sources.read_document(ref, data_cfg.text_field)[0] for ref in train_docs)
+  train_docs, _ = sources.split_documents(data_cfg.specs, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed)
+  return (text for _, text, _ in sources.iter_documents(train_docs, data_cfg.text_field))
 
 
 def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: str) -> RunData:
   data_cfg, train_cfg = run_config.data, run_config.train
   meta = text.prepare(
-    data_cfg.sources,
+    data_cfg.specs,
     data_cfg.val_sources,
     tokenizer,
     prepared_dir,
@@ -92,21 +90,34 @@ def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: st
     seed=run_config.seed,
     text_field=data_cfg.text_field,
     verify=data_cfg.verify,
+    mixture=data_cfg.weights is not None,
   )
   dataset = text.train_dataset(
-    prepared_dir, train_cfg.seq_len, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count()
+    prepared_dir,
+    train_cfg.seq_len,
+    train_cfg.batch_size,
+    run_config.seed,
+    jax.process_index(),
+    jax.process_count(),
+    data_cfg.weights,
   )
   summary = f"train {meta['train']['tokens']:,} tokens, val {meta['val']['tokens']:,} tokens"
+  if data_cfg.weights is not None:
+    shares = ", ".join(
+      f"{c['source']} {meta[c['split']]['tokens']:,} tokens × {w:.3g}"
+      for c, w in zip(meta["components"], data_cfg.weights)
+    )
+    summary += f" (mixture by windows: {shares})"
   return RunData(dataset, text.validation_windows(prepared_dir, train_cfg.seq_len), summary)
 
 
 def _conversation_texts(run_config: RunConfig) -> Iterator[str]:
-  for _, messages in sft.load_conversations(run_config.data.sources, "skip")[0]:
+  for _, messages in sft.load_conversations(run_config.data.specs, "skip")[0]:
     yield from (m["content"] for m in messages)
 
 
 def _pair_texts(run_config: RunConfig) -> Iterator[str]:
-  for pair in preference.load_pairs(run_config.data.sources, "skip")[0]:
+  for pair in preference.load_pairs(run_config.data.specs, "skip")[0]:
     yield from (m["content"] for m in pair.messages)
     yield from (pair.chosen, pair.rejected)
 
@@ -120,7 +131,7 @@ def _row_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: str
     else (preference.prepare_preference, preference.preference_train_dataset)
   )
   meta = prepare(
-    data_cfg.sources,
+    data_cfg.specs,
     tokenizer,
     prepared_dir,
     seq_len=train_cfg.seq_len,

