@@ -187,7 +187,9 @@ class DataConfig(Section):
   prepared_dir: str = ""  # where tokenized shards go; empty: <workdir>/data
   format: str = "text"  # text: pretraining documents | chat: conversations for SFT (chat template, assistant loss)
   # | preference: prompt + chosen/rejected responses for DPO (preference_data.py)
-  on_error: str = "skip"  # chat, preference: a bad line is skipped and counted ("skip") or stops the run ("stop")
+  # A bad line (chat, preference), bad document or damaged file (text) is skipped and counted ("skip") or stops the
+  # run ("stop").
+  on_error: str = "skip"
   # Reused shards are always size-checked; True also checks each one's sha256 and all its token ids (a full read).
   verify: bool = False
 

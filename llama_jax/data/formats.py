@@ -65,9 +65,12 @@ def record_numbers(path: str) -> list[int]:
   return [number for number, _ in _jsonl_lines(path)]
 
 
-def iter_records(path: str, text_field: str, wanted: Container[int] | None = None) -> Iterator[tuple[int, str, int]]:
+def iter_records(
+  path: str, text_field: str, wanted: Container[int] | None = None
+) -> Iterator[tuple[int, str | DataError, int]]:
   """(record number, text, invalid UTF-8 bytes replaced) of each record of a file in order, only those in `wanted`
-  when given."""
+  when given. A bad record (not JSON, no text) comes as its DataError in place of the text, and reading goes on; a
+  damaged file raises its DataError where the damage is."""
   fmt = file_format(path)
   if fmt == TEXT:
     with _opened(path) as f:
@@ -88,7 +91,10 @@ def iter_records(path: str, text_field: str, wanted: Container[int] | None = Non
   else:
     for number, raw in _jsonl_lines(path):
       if wanted is None or number in wanted:
-        yield number, _jsonl_text(path, number, raw, text_field), 0
+        try:
+          yield number, _jsonl_text(path, number, raw, text_field), 0
+        except DataError as e:
+          yield number, e, 0
 
 
 @contextlib.contextmanager
@@ -208,9 +214,7 @@ def _parquet_records(path: str, text_field: str, wanted: Container[int] | None) 
           number += 1
           if wanted is not None and number not in wanted:
             continue
-          if text is None:
-            raise DataError(f"{path}: row {number} has no {text_field!r} (null)")
-          yield number, text, 0
+          yield number, DataError(f"{path}: row {number} has no {text_field!r} (null)") if text is None else text, 0
     except (pyarrow.ArrowException, OSError) as e:
       raise DataError(f"{path}: damaged Parquet data after row {number} ({e})") from None
 

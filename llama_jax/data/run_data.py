@@ -91,6 +91,7 @@ def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: st
     text_field=data_cfg.text_field,
     verify=data_cfg.verify,
     mixture=data_cfg.weights is not None,
+    on_error=data_cfg.on_error,
   )
   dataset = text.train_dataset(
     prepared_dir,
@@ -108,6 +109,8 @@ def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: st
       for c, w in zip(meta["components"], data_cfg.weights)
     )
     summary += f" (mixture by windows: {shares})"
+  if meta.get("skipped"):
+    summary += f"; skipped {meta['skipped']:,} bad documents or damaged files, the first: {meta['problems'][0]}"
   return RunData(dataset, text.validation_windows(prepared_dir, train_cfg.seq_len), summary)
 
 

@@ -142,9 +142,10 @@ def _local_files(spec: str) -> list[str] | None:
   return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)) or None
 
 
-def resolve_sources(specs: Sequence[str]) -> list[DocumentRef]:
+def resolve_sources(specs: Sequence[str], problems: list[str] | None = None) -> list[DocumentRef]:
   """Expands source specs into document references, in a fixed order; a spec matching nothing is an error. A file of
-  records (JSONL, Parquet, ArrayRecord) gives one reference per record."""
+  records (JSONL, Parquet, ArrayRecord) gives one reference per record; a damaged one raises, or, given a `problems`
+  list (data.on_error="skip"), is added to it and left out."""
   refs: list[DocumentRef] = []
   for spec in specs:
     if spec == SHAKESPEARE or spec.startswith(SHAKESPEARE + ":"):
@@ -154,20 +155,39 @@ def resolve_sources(specs: Sequence[str]) -> list[DocumentRef]:
     if files is None:
       raise DataError(f"data source {spec!r} does not exist (not a file, directory, glob match or 'shakespeare')")
     for path in files:
-      refs.extend(_file_refs(path))
+      try:
+        refs.extend(_file_refs(path))
+      except DataError as e:
+        if problems is None:
+          raise
+        problems.append(str(e))
   return refs
 
 
-def iter_documents(refs: Iterable[DocumentRef], text_field: str = "text") -> Iterator[tuple[DocumentRef, str, int]]:
+def iter_documents(
+  refs: Iterable[DocumentRef], text_field: str = "text", problems: list[str] | None = None
+) -> Iterator[tuple[DocumentRef, str, int]]:
   """(ref, text, invalid UTF-8 bytes replaced) of each document, in order; each run of references to ascending
-  records of one file reads that file once, front to back (compressed and remote files allow nothing else at speed)."""
+  records of one file reads that file once, front to back (compressed and remote files allow nothing else at speed).
+  A bad record or a damaged file raises its DataError, or, given a `problems` list (data.on_error="skip"), is added
+  to it and skipped: a bad record alone, a damaged file from the damage on (what came before it is kept)."""
   run: dict[int, DocumentRef] = {}
   path, last = "", 0
   for ref in itertools.chain(refs, [None]):
     number = 0 if ref is None else 1 if ref.line is None else ref.line
     if run and (ref is None or ref.path != path or number <= last):
-      for record, text, replaced in formats.iter_records(path, text_field, run):
-        yield run[record], text, replaced
+      try:
+        for record, text, replaced in formats.iter_records(path, text_field, run):
+          if isinstance(text, DataError):
+            if problems is None:
+              raise text
+            problems.append(str(text))
+            continue
+          yield run[record], text, replaced
+      except DataError as e:
+        if problems is None:
+          raise
+        problems.append(str(e))
       run = {}
     if ref is not None:
       run[number], path, last = ref, ref.path, number
@@ -248,14 +268,18 @@ def split_documents(
 
 
 def split_components(
-  components: Sequence[Sequence[str]], val_sources: Sequence[str], val_fraction: float, seed: int
+  components: Sequence[Sequence[str]],
+  val_sources: Sequence[str],
+  val_fraction: float,
+  seed: int,
+  problems: list[str] | None = None,
 ) -> tuple[list[list[DocumentRef]], list[DocumentRef]]:
   """(training documents of each component of a mixture, validation documents): the validation sources' documents
   are removed from every component, or a seeded hash split of each document holds out `val_fraction` of them. Every
-  component must keep some training documents."""
-  trains = [resolve_sources(specs) for specs in components]
+  component must keep some training documents. Damaged files go to `problems` as resolve_sources says."""
+  trains = [resolve_sources(specs, problems) for specs in components]
   if val_sources:
-    val = resolve_sources(val_sources)
+    val = resolve_sources(val_sources, problems)
     val_ids = {r.doc_id for r in val}
     trains = [[r for r in train if r.doc_id not in val_ids] for train in trains]
   else:

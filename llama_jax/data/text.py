@@ -28,6 +28,7 @@ from llama_jax.data.prepared import FORMAT_VERSION, cannot_prepare, load_meta, p
 from llama_jax.data.sources import DataError, DocumentRef, file_identity, iter_documents, split_components
 
 _log = logging.getLogger(__name__)
+_PROBLEMS_KEPT = 20  # in meta.json, of the bad documents and damaged files skipped
 
 
 def _fingerprint(splits: Sequence[tuple[str, Sequence[DocumentRef]]], tokenizer, text_field: str) -> str:
@@ -43,11 +44,12 @@ def _fingerprint(splits: Sequence[tuple[str, Sequence[DocumentRef]]], tokenizer,
 
 
 def _write_split(
-  refs: Sequence[DocumentRef], tokenizer, path: str, text_field: str, dtype
+  refs: Sequence[DocumentRef], tokenizer, path: str, text_field: str, dtype, problems: list[str] | None
 ) -> tuple[dict[str, int], dict[str, Any]]:
   """(counts, the shard's record for meta.json): the digest is taken of the bytes as they are written, so preparing
-  never reads a shard back."""
-  counts = dict(documents=0, tokens=0, bytes=0, replaced_bytes=0, empty_documents=0)
+  never reads a shard back. Bad records and damaged files go to `problems` when it is a list (else they raise)."""
+  counts = dict(documents=0, tokens=0, bytes=0, replaced_bytes=0, empty_documents=0, skipped=0)
+  problems_before = len(problems or ())
   tmp, digest, size = path + ".tmp", hashlib.sha256(), 0
   with open(tmp, "wb") as out:
     batch: list[str] = []
@@ -63,7 +65,7 @@ def _write_split(
         counts["tokens"] += len(document)
       batch.clear()
 
-    for _, text, replaced in iter_documents(refs, text_field):
+    for _, text, replaced in iter_documents(refs, text_field, problems):
       counts["replaced_bytes"] += replaced
       if not text.strip():
         counts["empty_documents"] += 1
@@ -74,6 +76,7 @@ def _write_split(
       if len(batch) >= 256:
         flush()
     flush()
+  counts["skipped"] = len(problems or ()) - problems_before
   os.replace(tmp, path)
   return counts, dict(bytes=size, sha256=digest.hexdigest(), token_ids=True)
 
@@ -89,14 +92,17 @@ def prepare(
   text_field: str = "text",
   verify: bool = False,
   mixture: bool = False,
+  on_error: str = "stop",
 ) -> dict[str, Any]:
   """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when inputs are unchanged and
   the shards pass `check_shards`, with their digests too when `verify`). All training documents go to train.bin, or
   with `mixture` each source's to its own shard (train-00.bin, ...: meta.json's "components"), which train_dataset
-  mixes by weight."""
+  mixes by weight. A bad record or damaged file stops preparation (`on_error` "stop") or is skipped ("skip"), counted
+  in meta.json's "skipped" with the first problems in "problems"."""
   components = [[spec] for spec in sources] if mixture else [list(sources)]
+  problems: list[str] | None = [] if on_error == "skip" else None
   try:
-    trains, val = split_components(components, val_sources, val_fraction, seed)
+    trains, val = split_components(components, val_sources, val_fraction, seed, problems)
   except DataError as e:
     raise cannot_prepare(out_dir, e, verify) from e
   names = [f"train-{k:02d}" for k in range(len(trains))] if mixture else ["train"]
@@ -118,11 +124,16 @@ def prepare(
   )
   for (split, refs), specs in zip(splits, [*components, val_sources]):
     counts, meta["files"][f"{split}.bin"] = _write_split(
-      refs, tokenizer, os.path.join(out_dir, f"{split}.bin"), text_field, dtype
+      refs, tokenizer, os.path.join(out_dir, f"{split}.bin"), text_field, dtype, problems
     )
     if split != "val" and counts["documents"] == 0:
       raise DataError(f"the training sources {list(specs)} contain no text")
     meta[split] = counts
+  if problems:
+    meta["skipped"], meta["problems"] = len(problems), problems[:_PROBLEMS_KEPT]
+    _log.warning(
+      "skipped %d bad documents or damaged files (data.on_error='skip'); the first: %s", len(problems), problems[0]
+    )
   if mixture:
     meta["components"] = [dict(source=spec, split=name) for spec, name in zip(sources, names)]
     meta["train"] = {key: sum(meta[name][key] for name in names) for key in meta[names[0]]}

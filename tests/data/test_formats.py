@@ -18,7 +18,8 @@ from llama_jax.data import formats, sources, text
 from llama_jax.data.sources import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from tests import gcs_emulator
-from tests.conftest import META_TOKENIZER, ROOT
+from tests.conftest import META_TOKENIZER, ROOT, needs_shakespeare
+from tests.runs import MICRO, assert_one_line_error, train_args
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -157,6 +158,45 @@ def test_damaged_files_and_bad_records_name_the_file_and_line(tmp_path):
       texts_of([path])
     assert str(error.value).startswith(message), (path, str(error.value))
     assert "\n" not in str(error.value)
+
+
+def test_with_on_error_skip_bad_records_and_damaged_files_are_skipped_and_counted(tmp_path):
+  tokenizer = Tokenizer(META_TOKENIZER)
+  good = write_corpus(tmp_path / "good", DOCS[:50])[formats.PARQUET]
+  damaged = damaged_files(tmp_path / "bad")
+  specs = [good] + [path for path, _ in damaged]
+  with pytest.raises(DataError, match="damaged or truncated gzip data"):
+    text.prepare(specs, (), tokenizer, str(tmp_path / "stop"))
+  meta = text.prepare(specs, (), tokenizer, str(tmp_path / "skip"), on_error="skip")
+  # The file with one bad line keeps its other 400 documents (the line is skipped as it is read, as are the record
+  # without the field and the two Parquet files with a wrong column); the others are left out whole when their
+  # records are counted.
+  assert meta["train"]["documents"] == 50 + 400 and meta["train"]["skipped"] == 4
+  assert meta["skipped"] == len(damaged)
+  expected = dict(damaged)
+  assert sorted(p.split(":")[0] for p in meta["problems"]) == sorted(expected)
+  for problem in meta["problems"]:
+    assert problem.startswith(expected[problem.split(":")[0]]), problem
+
+
+@needs_shakespeare
+def test_a_training_run_skips_a_damaged_file_by_default_and_says_so(tmp_path, small_tokenizer):
+  damaged, message = damaged_files(tmp_path / "bad")[0]
+  sources = f"--config.data.sources=('shakespeare:sonnets', '{damaged}')"
+  # The micro run's own data.sources flag is left out: config_flags appends a second override of a tuple to it.
+  micro_sources = [a for a in MICRO if a.startswith("--config.data.sources=")]
+
+  def args(workdir, *extra):
+    return [a for a in train_args(workdir, small_tokenizer, sources, *extra) if a not in micro_sources]
+
+  result = subprocess.run(args(tmp_path / "run", "--config.train.steps=2"), cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  first = result.stdout.splitlines()[0]
+  assert f"skipped 1 bad documents or damaged files, the first: {message}" in first, first
+  stopped = subprocess.run(
+    args(tmp_path / "stop", "--config.data.on_error=stop"), cwd=ROOT, capture_output=True, text=True
+  )
+  assert_one_line_error(stopped, message)
 
 
 def test_a_damaged_file_is_one_line_and_exit_2_from_evaluate(tmp_path, small_tokenizer):
