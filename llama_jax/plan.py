@@ -31,7 +31,7 @@ from llama_jax.analysis import plan_decode
 from llama_jax.analysis.tpu import TOPOLOGIES, TPU_AOT_INSTALL, tpu_devices
 from llama_jax.core.errors import FlagError, run_or_exit
 
-DECODE_ONLY = ("batch", "max_len", "prefill_len", "dtype", "quantize", "mesh")
+DECODE_ONLY = ("batch", "max_len", "prefill_len", "prefill_chunk", "dtype", "quantize", "mesh")
 
 
 def main(argv=None) -> None:
@@ -54,6 +54,9 @@ def main(argv=None) -> None:
     max_len=flags.DEFINE_integer("max_len", None, "--decode: KV cache slots per row (default: max_seq_len)"),
     prefill_len=flags.DEFINE_integer(
       "prefill_len", None, "--decode: prompt bucket of the prefill plan (default: --max_len; 0: no prefill plan)"
+    ),
+    prefill_chunk=flags.DEFINE_integer(
+      "prefill_chunk", None, "--decode: prefill the prompt this many tokens per model call (as sample --prefill_chunk)"
     ),
     dtype=flags.DEFINE_string("dtype", None, "--decode: weights and compute dtype (default: as stored)"),
     quantize=flags.DEFINE_string("quantize", "none", "--decode: none | int8 (weight-only)"),
@@ -129,6 +132,7 @@ def _plan_decoding(given, run_config) -> None:
     quantize=given.quantize,
     mesh_spec=given.mesh,
     prefill_len=given.prefill_len,
+    prefill_chunk=given.prefill_chunk or 0,
   )
   print(plan_decode.report(result, given.hbm_gib))
   if given.json:

@@ -1,7 +1,7 @@
 """Generate text from a checkpoint directory, or chat with it.
 
     python -m llama_jax.sample --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--prompt_file F]
-        [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]
+        [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S] [--prefill_chunk N]
         [--mesh data=1,tensor=-1] [--dtype bfloat16] [--quantize int8] [--chat [--system TEXT]]
 
 Decoding is ``inference/sampler.py``'s: a jitted prefill, then one jitted while_loop; on a mesh, weights split over
@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
   parser.add_argument("--top_p", type=float, default=0.95, help="nucleus: smallest set with this mass (1 = off)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--prefill_chunk",
+    type=int,
+    default=0,
+    help="put prompts into the cache this many tokens per model call (0: whole); prefill memory then scales with "
+    "the chunk, not the prompt",
+  )
   cli.add_model_flags(parser)
   parser.add_argument(
     "--chat",
@@ -81,7 +88,10 @@ def _load(args) -> tuple[Sampler, Tokenizer]:
   """The sampler the model flags ask for, on every device of every process (multi-host: the same command runs on
   every host)."""
   distributed.maybe_initialize_distributed()
-  return load_sampler(args.checkpoint, placement.decode_mesh(args.mesh), args.dtype, args.quantize, args.step)
+  if args.prefill_chunk < 0:
+    raise FlagError(f"--prefill_chunk must be ≥ 0 (0: the whole prompt in one call), got {args.prefill_chunk}")
+  mesh = placement.decode_mesh(args.mesh)
+  return load_sampler(args.checkpoint, mesh, args.dtype, args.quantize, args.step, prefill_chunk=args.prefill_chunk)
 
 
 def _report(sampler: Sampler) -> None:

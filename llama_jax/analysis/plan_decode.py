@@ -88,6 +88,7 @@ class DecodePlan:
   rows: int  # batch padded to a multiple of the data axis
   max_len: int  # cache slots per row (prompt bucket + new tokens)
   prefill_len: int  # prompt bucket of the compiled prefill (0: not compiled)
+  prefill_chunk: int  # tokens per model call of the prefill (0: the whole bucket in one)
   weight_bytes: int  # from the shardings
   cache_bytes: int  # from the shardings: k, v of every layer, slot positions, index
   state_bytes: int  # the whole decode state: cache + per-row tokens, positions, flags, rng
@@ -227,9 +228,9 @@ class _Programs:
   """The Sampler's own jitted prefill and decode loop (placements and cache layout included) for one mesh, compiled
   for abstract weights and caches of a given number of rows."""
 
-  def __init__(self, cfg, params, mesh, devices, max_len: int, prefill_len: int):
+  def __init__(self, cfg, params, mesh, devices, max_len: int, prefill_len: int, prefill_chunk: int = 0):
     self.cfg, self.params, self.mesh, self.devices = cfg, params, mesh, devices
-    self.max_len, self.prefill_len = max_len, prefill_len
+    self.max_len, self.prefill_len, self.prefill_chunk = max_len, prefill_len, prefill_chunk
     self.rules = placement.decode_rules(cfg, mesh)
     self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False)))
     self.layout = sampler.default_cache_layout(devices[0].platform, cfg.head_dim)
@@ -246,6 +247,7 @@ class _Programs:
       max_new_tokens=new_tokens,
       stop_ids=(EOS_ID,),
       pad_id=PAD_ID,
+      prefill_chunk=self.prefill_chunk,
     )
 
   def decode(self, n_rows: int):
@@ -294,6 +296,7 @@ def plan(
   quantize: str = "none",
   mesh_spec: str | None = None,
   prefill_len: int | None = None,
+  prefill_chunk: int = 0,
 ) -> DecodePlan:
   """Compiles the Sampler's decode loop (and prefill of a `prefill_len` prompt, default `max_len`: the longest the
   cache takes) for `batch` rows of `max_len` slots over `devices`, each at `batch` and at 8 more rows per device.
@@ -307,7 +310,9 @@ def plan(
   mesh = placement.decode_mesh(mesh_spec, devices)
   stored = model_config_for_plan(run_config.model, platform, max_len)
   cfg, params = decode_model(stored, mesh, dtype, quantize)
-  programs = _Programs(cfg, params, mesh, devices, max_len, prefill_len)
+  if prefill_chunk < 0:
+    raise PlanError(f"--prefill_chunk must be ≥ 0 (0: the whole prompt in one call), got {prefill_chunk}")
+  programs = _Programs(cfg, params, mesh, devices, max_len, prefill_len, prefill_chunk)
   rows = placement.padded_rows(batch, mesh)
   more_rows = rows + ROWS_PER_TILE * mesh.shape["data"]
   compile_start = time.perf_counter()
@@ -338,6 +343,7 @@ def plan(
     rows=rows,
     max_len=max_len,
     prefill_len=prefill_len,
+    prefill_chunk=prefill_chunk,
     weight_bytes=device_bytes(params),
     cache_bytes=device_bytes(state.cache),
     state_bytes=device_bytes(state),
@@ -362,7 +368,8 @@ def report(p: DecodePlan, hbm_gib: float | None = None) -> str:
     f"decode    batch {p.batch}"
     + (f" (padded to {p.rows} rows)" if p.rows != p.batch else "")
     + f" × {p.max_len} cache slots; "
-    + (f"prefill of a {p.prefill_len}-token prompt bucket" if p.prefill_len else "prefill not planned"),
+    + (f"prefill of a {p.prefill_len}-token prompt bucket" if p.prefill_len else "prefill not planned")
+    + (f" in chunks of {p.prefill_chunk}" if p.prefill_len and p.prefill_chunk else ""),
     f"per device ({unit}):",
   ]
 

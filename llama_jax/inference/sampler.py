@@ -62,13 +62,18 @@ def prefill(
   sampling: SamplingConfig,
   max_new_tokens: int,
   stop_ids: tuple[int, ...],
+  chunk: int = 0,
 ) -> DecodeState:
-  """Runs the right-padded prompts through the model into the cache and samples each row's first new token."""
+  """Runs the right-padded prompts through the model into the cache and samples each row's first new token. With
+  `chunk` > 0, the prompts go in `chunk` tokens at a time (``prefill_chunks``)."""
   model = nnx.merge(graphdef, params)
   batch, bucket = prompts_BP.shape
   positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
   segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
-  last_B1V, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP, logits_at_B=lengths_B - 1)
+  if chunk and chunk < bucket:
+    last_B1V, cache = prefill_chunks(model, prompts_BP, positions_BP, segment_ids_BP, lengths_B, cache, chunk)
+  else:
+    last_B1V, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP, logits_at_B=lengths_B - 1)
   last_BV = last_B1V[:, 0]
   rng, step_rng = jax.random.split(jax.random.key(seed))
   token_B = next_token(last_BV, step_rng, sampling)
@@ -84,6 +89,52 @@ def prefill(
       tokens=tokens,
     )
   )
+
+
+def prefill_chunks(
+  model: Llama,
+  prompts_BP: jax.Array,
+  positions_BP: jax.Array,
+  segment_ids_BP: jax.Array,
+  lengths_B: jax.Array,
+  cache: KVCache,
+  chunk: int,
+) -> tuple[jax.Array, KVCache]:
+  """(logits of each row's last prompt token [B, 1, V], cache): the prompts written into the cache `chunk` tokens
+  at a time, each chunk attending to the cache so far (the slots after it are still empty, hidden by position), so
+  the attention scores of a call are [chunk × cache] instead of [prompt × cache]. The full chunks run in one scan
+  (one compiled body); a shorter last chunk, when the bucket is not a multiple of `chunk`, runs after it."""
+  batch, bucket = prompts_BP.shape
+  last_row_B = lengths_B - 1
+
+  def run(carry, start, tokens_BC, positions_BC, segments_BC):
+    last_B1V, cache = carry
+    width = tokens_BC.shape[1]
+    logits_B1V, cache = model.decode(
+      tokens_BC, positions_BC, cache, segments_BC, logits_at_B=jnp.clip(last_row_B - start, 0, width - 1)
+    )
+    here_B = (last_row_B >= start) & (last_row_B < start + width)
+    return jnp.where(here_B[:, None, None], logits_B1V, last_B1V), cache
+
+  def chunks(x_BP: jax.Array, n: int) -> jax.Array:  # [B, n·chunk] → [n, B, chunk]
+    return x_BP[:, : n * chunk].reshape(batch, n, chunk).swapaxes(0, 1)
+
+  n_full = bucket // chunk
+  carry = (jnp.zeros((batch, 1, model.cfg.vocab_size), jnp.float32), cache)
+  carry, _ = jax.lax.scan(
+    lambda c, xs: (run(c, *xs), None),
+    carry,
+    (
+      jnp.arange(n_full, dtype=jnp.int32) * chunk,
+      chunks(prompts_BP, n_full),
+      chunks(positions_BP, n_full),
+      chunks(segment_ids_BP, n_full),
+    ),
+  )
+  if bucket % chunk:
+    tail = slice(n_full * chunk, bucket)
+    carry = run(carry, n_full * chunk, prompts_BP[:, tail], positions_BP[:, tail], segment_ids_BP[:, tail])
+  return carry
 
 
 def decode(
@@ -179,6 +230,7 @@ def decode_programs(
   max_new_tokens: int,
   stop_ids: tuple[int, ...],
   pad_id: int,
+  prefill_chunk: int = 0,
 ):
   """(prefill, decode loop) jitted with every input and output placement spelled out, so the cache keeps one layout
   from the empty buffers through prefill and every loop call (the Sampler runs these; ``plan --decode`` compiles
@@ -195,7 +247,14 @@ def decode_programs(
     tokens=replicated,
   )
   prefill_fn = jax.jit(
-    functools.partial(prefill, graphdef=graphdef, sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
+    functools.partial(
+      prefill,
+      graphdef=graphdef,
+      sampling=sampling,
+      max_new_tokens=max_new_tokens,
+      stop_ids=stop_ids,
+      chunk=prefill_chunk,
+    ),
     in_shardings=(
       param_shardings,
       NamedSharding(mesh, PartitionSpec(*rows, None)),
@@ -244,8 +303,14 @@ class Sampler:
     quantize: str = "none",
     donate: bool = False,
     cache_layout: tuple[int, ...] | None | str = "auto",
+    prefill_chunk: int = 0,
   ):
     self.mesh = mesh if mesh is not None else placement.decode_mesh(devices=jax.local_devices()[:1])
+    if prefill_chunk < 0:
+      raise SampleError(f"prefill_chunk must be ≥ 0 (0: the whole prompt in one call), got {prefill_chunk}")
+    # Prompts go into the cache this many tokens per model call (0: all at once): prefill temporaries then scale
+    # with the chunk, not the prompt.
+    self.prefill_chunk = prefill_chunk
     # Decoding runs the layers as separate modules, each reading its own weight buffers in place.
     self.cfg, self.params = placement.place_params(
       cfg, params, self.mesh, dtype=dtype, quantize=quantize, donate=donate
@@ -286,6 +351,7 @@ class Sampler:
       max_new_tokens=max_new_tokens,
       stop_ids=stop_ids,
       pad_id=self.pad_id,
+      prefill_chunk=self.prefill_chunk,
     )
 
   def empty_cache(self, batch: int, length: int) -> KVCache:
@@ -379,6 +445,7 @@ def load_sampler(
   dtype: str | None = None,
   quantize: str = "none",
   step: int | None = None,
+  prefill_chunk: int = 0,
 ) -> tuple[Sampler, Tokenizer]:
   """A Sampler and the tokenizer of a checkpoint directory (from training or conversion), its weights (of `step`,
   default the latest) restored straight into their decode shardings on `mesh` (default: one device), cast to
@@ -388,7 +455,7 @@ def load_sampler(
   mesh = mesh if mesh is not None else placement.decode_mesh(devices=jax.local_devices()[:1])
   cfg, params = placement.load_decode_params(checkpoint_dir, mesh, dtype=dtype, quantize=quantize, step=step)
   stops = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, stop_ids=tokenizer.stop_ids)
-  return Sampler(cfg, params, **stops, mesh=mesh), tokenizer
+  return Sampler(cfg, params, **stops, mesh=mesh, prefill_chunk=prefill_chunk), tokenizer
 
 
 def describe_placement(sampler: Sampler) -> str:

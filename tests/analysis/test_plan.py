@@ -182,6 +182,7 @@ def test_decode_plan_errors_are_one_line():
     (dict(max_len=0), r"^--max_len must be in \[1, 256\]"),
     (dict(prefill_len=65), r"^--prefill_len must be in \[0, --max_len 64\] \(0: no prefill plan\), got 65$"),
     (dict(quantize="int4"), r"^--quantize must be one of none, int8, got 'int4'$"),
+    (dict(prefill_chunk=-1), r"^--prefill_chunk must be ≥ 0 \(0: the whole prompt in one call\), got -1$"),
     (dict(dtype="float64"), r"^--dtype must be one of float32, bfloat16, float16, got 'float64'$"),
   ],
 )
@@ -263,6 +264,7 @@ def test_decode_plan_largest_batch_per_program_and_when_more_rows_did_not_compil
     rows=4,
     max_len=16,
     prefill_len=16,
+    prefill_chunk=0,
     weight_bytes=0,
     cache_bytes=0,
     state_bytes=0,

@@ -93,6 +93,46 @@ def test_each_row_of_a_ragged_batch_gets_what_its_prompt_gets_alone():
     assert sampler.generate([prompt], 24)[0] == row
 
 
+@pytest.mark.parametrize("chunk", [4, 12, 100])
+def test_chunked_prefill_gives_the_same_cache_and_tokens(chunk):
+  """Prompts of 3..60 tokens (buckets 16..64) prefilled `chunk` tokens at a time: 12 leaves a shorter last chunk, 100
+  is past the bucket (one call). The cache it fills (keys, values, slot positions of every layer) equals the
+  one-call prefill's within float32 rounding, and greedy continuations are the same tokens."""
+  cfg = CONFIGS["gqa"]
+  params = random_params(cfg)
+  whole, chunked = Sampler(cfg, params, eos_id=-1), Sampler(cfg, params, eos_id=-1, prefill_chunk=chunk)
+  rng = np.random.RandomState(5)
+  prompts = [rng.randint(3, 256, n).tolist() for n in (3, 17, 33, 60)]
+  assert chunked.generate(prompts, 20) == whole.generate(prompts, 20)
+  for prompt in prompts[1:]:
+    assert chunked.generate([prompt], 12) == whole.generate([prompt], 12)
+  # The caches: one prefill each way, straight from the compiled programs.
+  filled = []
+  for sampler in (whole, chunked):
+    prefill_fn, _ = sampler._compiled(SamplingConfig(temperature=1.0), 4, (-1,))
+    padded = np.zeros((1, 64), np.int32)
+    padded[0, :60] = prompts[3]
+    cache = sampler.empty_cache(1, 68)
+    state = prefill_fn(sampler.params, padded, np.asarray([60], np.int32), cache, np.uint32(0))
+    filled.append(jax.tree.map(np.asarray, (state.cache.k, state.cache.v, state.cache.positions, state.token)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), filled[1], filled[0])
+
+
+def test_chunked_prefill_temporaries_scale_with_the_chunk_not_the_prompt():
+  """The compiled prefill of a 1,024-token bucket: its temporary buffers (attention scores and activations) with
+  chunks of 128 are a fraction of the one-call prefill's."""
+  cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=2048)
+  params = random_params(cfg)
+  temp = {}
+  for chunk in (0, 128):
+    sampler = Sampler(cfg, params, eos_id=-1, prefill_chunk=chunk)
+    prefill_fn, _ = sampler._compiled(SamplingConfig(), 8, (-1,))
+    args = (sampler.params, np.zeros((4, 1024), np.int32), np.full((4,), 1000, np.int32), sampler.empty_cache(4, 1032))
+    compiled = prefill_fn.lower(*args, np.uint32(0)).compile()
+    temp[chunk] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp[128] < temp[0] / 4, temp
+
+
 def test_top_k_1_equals_greedy_and_seeds_behave():
   cfg = CONFIGS["mha"]
   sampler = Sampler(cfg, random_params(cfg), eos_id=-1)
@@ -193,6 +233,9 @@ def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir, greed
   streamed = run_sample("--checkpoint", checkpoint_dir, "--prompt", CLI_PROMPTS[0], *GREEDY_12, "--stream", "yes")
   assert streamed.returncode == 0, streamed.stderr
   assert streamed.stdout == greedy_completions[0] + "\n"
+  chunked = run_sample("--checkpoint", checkpoint_dir, *prompt_args, *GREEDY_12, "--prefill_chunk", "2")
+  assert chunked.returncode == 0, chunked.stderr
+  assert chunked.stdout == result.stdout
 
 
 def test_cli_prompt_file_gives_one_completion_per_non_blank_line(checkpoint_dir, greedy_completions, tmp_path):
@@ -223,6 +266,10 @@ def test_prompt_lengths_inside_one_bucket_share_one_compiled_prefill_and_decode(
     (["--prompt", "x", "--temperature", "-1"], "temperature must be ≥ 0"),
     (["--prompt", "x", "--top_p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--prompt", "x", "--top_k", "-2"], "top_k must be an integer ≥ 0"),
+    (
+      ["--prompt", "x", "--prefill_chunk", "-1"],
+      "--prefill_chunk must be ≥ 0 (0: the whole prompt in one call), got -1",
+    ),
   ],
 )
 def test_cli_bad_input_is_one_line_exit_2(checkpoint_dir, args, fragment):
