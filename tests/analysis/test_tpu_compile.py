@@ -101,18 +101,13 @@ def test_a_tpu_chip_holds_the_compiled_step(plans, case):
   assert 0 < plans[case]["peak_bytes"] < 16 * 2**30  # a v5e chip's HBM, the smaller of the two
 
 
-def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(tmp_path):
-  """The sampler's decode loop compiled by the TPU compiler (one v5p chip, head_dim 128): its temporaries are a
-  small fraction of the KV cache (7 MiB for a 64 MiB cache). With a row-major cache the compiler copied the cache
-  into its slot-major order at loop entry and back at exit (39 MiB here; 17 GiB for a 16 GiB 7B cache);
-  sample.SLOT_MAJOR stores it that way."""
-  out = tmp_path / "decode.json"
+def small_decode_plan(out, *flags: str) -> dict:
+  """`plan --decode` of a 2-layer, head_dim-128 model (8 rows × 2,048 slots) on one v5p chip by the TPU compiler."""
   overrides = ["--config.model.dim=256", "--config.model.n_heads=2", "--config.model.n_kv_heads=2"]
   overrides += ["--config.model.n_layers=2", "--config.model.max_seq_len=2048"]
   result = subprocess.run(
     [sys.executable, "-m", "llama_jax.plan", "--decode", "--config", "configs/tiny.py", *overrides]
-    + ["--topology", "v5p-8", "--devices", "1", "--batch", "8", "--max_len", "2048", "--prefill_len", "0"]
-    + ["--json", str(out)],
+    + ["--topology", "v5p-8", "--devices", "1", "--batch", "8", "--max_len", "2048", *flags, "--json", str(out)],
     cwd=ROOT,
     env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu"),
     capture_output=True,
@@ -122,6 +117,15 @@ def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   plan = json.loads(out.read_text())
   assert plan["compiler"] == "TPU compiler"
+  return plan
+
+
+def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(tmp_path):
+  """The sampler's decode loop compiled by the TPU compiler (one v5p chip, head_dim 128): its temporaries are a
+  small fraction of the KV cache (7 MiB for a 64 MiB cache). With a row-major cache the compiler copied the cache
+  into its slot-major order at loop entry and back at exit (39 MiB here; 17 GiB for a 16 GiB 7B cache);
+  sample.SLOT_MAJOR stores it that way."""
+  plan = small_decode_plan(tmp_path / "decode.json", "--prefill_len", "0")
   assert plan["decode"]["temp_bytes"] < 0.25 * plan["cache_bytes"], plan
 
 
@@ -129,23 +133,9 @@ def test_chunked_prefill_on_tpu_needs_a_fraction_of_the_whole_prompt_s_temporari
   """The sampler's prefill of 8 rows × 2,048 tokens compiled by the TPU compiler (one v5p chip), whole and in chunks of
   256 tokens: the chunked program's temporaries (attention scores [chunk × cache] instead of [prompt × cache]) are
   under half the whole prompt's (measured: 116 MiB against 310 MiB)."""
-  overrides = ["--config.model.dim=256", "--config.model.n_heads=2", "--config.model.n_kv_heads=2"]
-  overrides += ["--config.model.n_layers=2", "--config.model.max_seq_len=2048"]
   temp = {}
   for chunk in (0, 256):
-    out = tmp_path / f"prefill_{chunk}.json"
-    result = subprocess.run(
-      [sys.executable, "-m", "llama_jax.plan", "--decode", "--config", "configs/tiny.py", *overrides]
-      + ["--topology", "v5p-8", "--devices", "1", "--batch", "8", "--max_len", "2048", "--prefill_len", "2048"]
-      + ["--prefill_chunk", str(chunk), "--json", str(out)],
-      cwd=ROOT,
-      env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu"),
-      capture_output=True,
-      text=True,
-      timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    plan = json.loads(out.read_text())
-    assert plan["compiler"] == "TPU compiler" and plan["prefill_chunk"] == chunk
+    plan = small_decode_plan(tmp_path / f"{chunk}.json", "--prefill_len", "2048", "--prefill_chunk", str(chunk))
+    assert plan["prefill_chunk"] == chunk
     temp[chunk] = plan["prefill"]["temp_bytes"]
   assert temp[256] < temp[0] / 2, temp
