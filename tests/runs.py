@@ -37,7 +37,11 @@ MICRO = [
 
 
 def train_args(workdir, tokenizer, *extra, module=("llama_jax.train",)):
-  """The micro training command: configs/tiny.py shrunk by MICRO, a prepared tokenizer, then `extra` flags."""
+  """The micro training command: configs/tiny.py shrunk by MICRO, a prepared tokenizer, then `extra` flags. An
+  `extra` flag replaces MICRO's flag of the same key rather than following it: config_flags appends a second
+  override of a tuple field (data.sources) to the first."""
+  replaced = {flag.split("=", 1)[0] for flag in extra if flag.startswith("--config.")}
+  micro = [flag for flag in MICRO if flag.split("=", 1)[0] not in replaced]
   return [
     sys.executable,
     "-m",
@@ -47,9 +51,17 @@ def train_args(workdir, tokenizer, *extra, module=("llama_jax.train",)):
     "--workdir",
     str(workdir),
     f"--config.data.tokenizer={tokenizer}",
-    *MICRO,
+    *micro,
     *extra,
   ]
+
+
+def run_module(*args, stdin=None):
+  """``python -m MODULE ARGS`` (`args` = module and its arguments) from the repository root on CPU, output captured."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(
+    [sys.executable, "-m", *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=600, env=env
+  )
 
 
 def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):

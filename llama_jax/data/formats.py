@@ -34,7 +34,7 @@ from llama_jax.data.tokenizer import decode_utf8_counting
 TEXT, JSONL, JSONL_GZ, JSONL_ZST = "text", "jsonl", "jsonl.gz", "jsonl.zst"
 PARQUET, ARRAY_RECORD = "parquet", "array_record"
 _ARRAY_RECORD_NAME = re.compile(r"\.(array_record|arrayrecord)(-\d+-of-\d+)?$")
-_PARQUET_BATCH_ROWS = 1024  # rows of a Parquet file, or records of an ArrayRecord file, read at a time
+_BATCH_RECORDS = 1024  # rows of a Parquet file, or records of an ArrayRecord file, read at a time
 _READ_BYTES = 1 << 20
 
 
@@ -62,7 +62,7 @@ def record_numbers(path: str) -> list[int]:
   if fmt == ARRAY_RECORD:
     with _array_record_reader(path) as reader:
       return list(range(1, reader.num_records() + 1))
-  return [number for number, _ in _jsonl_lines(path)]
+  return [number for number, _ in jsonl_lines(path)]
 
 
 def iter_records(
@@ -80,16 +80,16 @@ def iter_records(
   elif fmt == ARRAY_RECORD:
     with _array_record_reader(path) as reader:
       count = reader.num_records()
-      for start in range(0, count, _PARQUET_BATCH_ROWS):
+      for start in range(0, count, _BATCH_RECORDS):
         try:
-          batch = reader.read(start, min(start + _PARQUET_BATCH_ROWS, count))
+          batch = reader.read(start, min(start + _BATCH_RECORDS, count))
         except Exception as e:  # noqa: BLE001 -- the C++ reader raises RuntimeError, ValueError or absl statuses
           raise DataError(f"{path}: records {start + 1}.. are unreadable ({e})") from None
         for number, raw in enumerate(batch, start=start + 1):
           if wanted is None or number in wanted:
             yield number, *decode_utf8_counting(raw)
   else:
-    for number, raw in _jsonl_lines(path):
+    for number, raw in jsonl_lines(path):
       if wanted is None or number in wanted:
         try:
           yield number, _jsonl_text(path, number, raw, text_field), 0
@@ -114,7 +114,7 @@ def _read_all(f: BinaryIO, path: str) -> bytes:
     raise DataError(f"{path}: cannot be read ({e})") from None
 
 
-def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
+def jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
   """(line number, line) of each non-blank line, decompressing gzip and zstd as a stream; a damaged stream is one
   DataError naming the file and the last line read whole."""
   fmt = file_format(path)
@@ -209,7 +209,7 @@ def _parquet_records(path: str, text_field: str, wanted: Container[int] | None) 
   with _parquet_file(path, text_field) as parquet:
     number = 0
     try:
-      for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
+      for batch in parquet.iter_batches(batch_size=_BATCH_RECORDS, columns=[text_field]):
         for text in batch.column(0).to_pylist():
           number += 1
           if wanted is not None and number not in wanted:

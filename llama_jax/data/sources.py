@@ -210,15 +210,12 @@ def file_identity(path: str) -> list:
 
 def jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
   """("file:line", the parsed record, or the DataError naming the malformed JSON) for each non-blank line."""
-  with open(path, "rb") as f:
-    for number, raw in enumerate(f, start=1):
-      if not raw.strip():
-        continue
-      location = f"{path}:{number}"
-      try:
-        yield location, json.loads(raw)
-      except json.JSONDecodeError as e:
-        yield location, DataError(f"malformed JSON ({e.msg})")
+  for number, raw in formats.jsonl_lines(path):
+    location = f"{path}:{number}"
+    try:
+      yield location, json.loads(raw)
+    except json.JSONDecodeError as e:
+      yield location, DataError(f"malformed JSON ({e.msg})")
 
 
 def jsonl_paths(spec: str) -> list[str]:

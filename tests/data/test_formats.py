@@ -19,7 +19,7 @@ from llama_jax.data.sources import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from tests import gcs_emulator
 from tests.conftest import META_TOKENIZER, ROOT, needs_shakespeare
-from tests.runs import MICRO, assert_one_line_error, train_args
+from tests.runs import assert_one_line_error, run_train
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -183,19 +183,10 @@ def test_with_on_error_skip_bad_records_and_damaged_files_are_skipped_and_counte
 def test_a_training_run_skips_a_damaged_file_by_default_and_says_so(tmp_path, small_tokenizer):
   damaged, message = damaged_files(tmp_path / "bad")[0]
   sources = f"--config.data.sources=('shakespeare:sonnets', '{damaged}')"
-  # The micro run's own data.sources flag is left out: config_flags appends a second override of a tuple to it.
-  micro_sources = [a for a in MICRO if a.startswith("--config.data.sources=")]
-
-  def args(workdir, *extra):
-    return [a for a in train_args(workdir, small_tokenizer, sources, *extra) if a not in micro_sources]
-
-  result = subprocess.run(args(tmp_path / "run", "--config.train.steps=2"), cwd=ROOT, capture_output=True, text=True)
-  assert result.returncode == 0, result.stderr[-3000:]
+  result = run_train(tmp_path / "run", small_tokenizer, sources, "--config.train.steps=2")
   first = result.stdout.splitlines()[0]
   assert f"skipped 1 bad documents or damaged files, the first: {message}" in first, first
-  stopped = subprocess.run(
-    args(tmp_path / "stop", "--config.data.on_error=stop"), cwd=ROOT, capture_output=True, text=True
-  )
+  stopped = run_train(tmp_path / "stop", small_tokenizer, sources, "--config.data.on_error=stop", check=False)
   assert_one_line_error(stopped, message)
 
 

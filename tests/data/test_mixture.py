@@ -4,8 +4,6 @@ from a mixture given on the command line, and bad weights refused in one line.""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -14,10 +12,8 @@ from llama_jax.core.run_config import DataConfig
 from llama_jax.data import text
 from llama_jax.data.sources import DataError
 from llama_jax.data.tokenizer import Tokenizer
-from tests.conftest import META_TOKENIZER, ROOT, needs_shakespeare
-from tests.runs import MICRO, assert_one_line_error, train_args
-
-MICRO_SOURCES = [a for a in MICRO if a.startswith("--config.data.sources=")]
+from tests.conftest import META_TOKENIZER, needs_shakespeare
+from tests.runs import assert_one_line_error, run_train
 
 WORDS = ("apple banana cherry", "river stone valley", "cloud thunder storm")
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -105,11 +101,7 @@ def test_weights_normalise_and_json_lists_read_as_tuples():
 @needs_shakespeare
 def test_a_micro_run_trains_on_a_mixture_given_on_the_command_line(tmp_path, small_tokenizer):
   def run(workdir, sources, check=True):
-    # The micro run's own data.sources flag is left out: config_flags appends a second override of a tuple to it.
-    args = [a for a in train_args(workdir, small_tokenizer, sources) if a not in MICRO_SOURCES]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert not check or result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return run_train(workdir, small_tokenizer, sources, check=check)
 
   result = run(tmp_path / "run", "--config.data.sources=(('shakespeare:sonnets', 0.8), ('shakespeare:tempest', 0.2))")
   assert "(mixture by windows: shakespeare:sonnets" in result.stdout and "× 0.8" in result.stdout, result.stdout

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,8 +22,8 @@ from flax import nnx
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
-from tests import hf_tokenizers, live_server
-from tests.conftest import ROOT, require_smollm2
+from tests import hf_tokenizers, live_server, runs
+from tests.conftest import require_smollm2
 
 SYSTEM = "You are a concise assistant who answers in one sentence."
 TURNS = ("What is the capital of France?", "And of Italy?")
@@ -36,16 +35,8 @@ EVAL_TEXT = (
 ) * 3
 
 
-def run_module(module: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-  result = subprocess.run(
-    [sys.executable, "-m", module, *args],
-    cwd=ROOT,
-    input=stdin,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
+def run_ok(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+  result = runs.run_module(*args, stdin=stdin)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return result
 
@@ -57,7 +48,7 @@ def smollm2(tmp_path_factory):
   root = tmp_path_factory.mktemp("smollm2")
   hf_dir = hf_tokenizers.smollm2_hf_dir(str(root / "hf"))
   checkpoint = str(root / "converted")
-  run_module("llama_jax.convert", "--from_hf", hf_dir, "--out", checkpoint)
+  run_ok("llama_jax.convert", "--from_hf", hf_dir, "--out", checkpoint)
   model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
   tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
   return hf_dir, checkpoint, model, tokenizer
@@ -94,9 +85,7 @@ def test_converted_logits_equal_transformers(smollm2):
 def test_sample_greedy_text_equals_generate(smollm2):
   _, checkpoint, model, tokenizer = smollm2
   args = [a for p in PROMPTS for a in ("--prompt", p)]
-  result = run_module(
-    "llama_jax.sample", "--checkpoint", checkpoint, *args, "--temperature", "0", "--max_new_tokens", "24"
-  )
+  result = run_ok("llama_jax.sample", "--checkpoint", checkpoint, *args, "--temperature", "0", "--max_new_tokens", "24")
   rows = [row[:-1] for row in result.stdout.split("-" * 40 + "\n")[1:]]  # each row: a separator, text, newline
   want = [p + generated(model, tokenizer, tokenizer(p)["input_ids"], 24) for p in PROMPTS]
   assert rows == want
@@ -104,7 +93,7 @@ def test_sample_greedy_text_equals_generate(smollm2):
 
 def test_chat_with_a_system_prompt_equals_generate_on_the_template(smollm2):
   _, checkpoint, model, tokenizer = smollm2
-  result = run_module(
+  result = run_ok(
     "llama_jax.sample",
     "--checkpoint",
     checkpoint,
@@ -148,7 +137,7 @@ def test_evaluate_loss_equals_transformers(smollm2, tmp_path):
   text_file = tmp_path / "text.txt"
   text_file.write_text(EVAL_TEXT, encoding="utf-8")
   seq_len, batch_size = 64, 2
-  run_module(
+  run_ok(
     "llama_jax.evaluate",
     "--checkpoint",
     checkpoint,
@@ -178,7 +167,7 @@ def test_lora_sft_in_the_models_template_exports_a_peft_adapter_with_equal_logit
   peft = pytest.importorskip("peft")
   hf_dir, checkpoint, model, tokenizer = smollm2
   workdir, adapter = tmp_path / "sft", tmp_path / "adapter"
-  run_module(
+  run_ok(
     "llama_jax.train",
     "--config",
     "configs/smollm2_sft.py",
@@ -196,7 +185,7 @@ def test_lora_sft_in_the_models_template_exports_a_peft_adapter_with_equal_logit
     "--config.train.eval_batches=1",
     "--config.train.save_every=3",
   )
-  run_module("llama_jax.convert", "--to_hf", str(workdir), "--peft", "--out", str(adapter))
+  run_ok("llama_jax.convert", "--to_hf", str(workdir), "--peft", "--out", str(adapter))
   messages = [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": "Paris."}]
   ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
   with torch.no_grad():
@@ -212,7 +201,7 @@ def test_lora_sft_in_the_models_template_exports_a_peft_adapter_with_equal_logit
 def test_to_hf_reloads_with_its_tokenizer_and_template(smollm2, tmp_path):
   hf_dir, checkpoint, model, tokenizer = smollm2
   out = tmp_path / "exported"
-  run_module("llama_jax.convert", "--to_hf", checkpoint, "--out", str(out))
+  run_ok("llama_jax.convert", "--to_hf", checkpoint, "--out", str(out))
   for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
     assert (out / name).read_bytes() == open(os.path.join(hf_dir, name), "rb").read(), name
   reloaded_tokenizer = transformers.AutoTokenizer.from_pretrained(out)

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
 
 import numpy as np
 import pytest
 
 from llama_jax.checkpoint import records
 from llama_jax.core import paths
-from tests.conftest import ROOT, needs_shakespeare
-from tests.runs import MICRO, assert_one_line_error, read_jsonl, run_train, train_args
+from tests.conftest import needs_shakespeare
+from tests.runs import assert_one_line_error, read_jsonl, run_train
 
 pytestmark = needs_shakespeare
 SUBJECTS = "sea moon king night love death sword crown storm rose ghost wine".split()
@@ -67,17 +65,6 @@ def base_and_pairs(tmp_path_factory, small_tokenizer):
   return base, write_pairs(root / "pairs.jsonl")
 
 
-def run_dpo(workdir, tokenizer, *extra, check=True):
-  """The micro training command without its pretraining sources (absl keeps the first of two values of a flag, so
-  MICRO's data flags cannot be overridden, only left out)."""
-  micro_data = [a for a in MICRO if a.startswith(("--config.data.sources=", "--config.data.val_sources="))]
-  args = [a for a in train_args(workdir, tokenizer, *extra) if a not in micro_data]
-  result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-  if check:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  return result
-
-
 def val_metrics(workdir):
   return [m for m in read_jsonl(workdir / "metrics.jsonl") if "val_loss" in m]
 
@@ -87,7 +74,7 @@ def test_dpo_starts_at_log_2_and_raises_held_out_reward_accuracy(base_and_pairs,
   base, pairs = base_and_pairs
   extra = ["--config.train.lora.rank=4", "--config.train.lr=1e-2"] if lora else []
   workdir = tmp_path / "dpo"
-  result = run_dpo(workdir, small_tokenizer, *dpo_args(base, pairs, *extra))
+  result = run_train(workdir, small_tokenizer, *dpo_args(base, pairs, *extra))
   held_out = int(re.search(r"preference pairs: train \d+, val (\d+)", result.stdout).group(1))
   assert "skipped 0 bad" in result.stdout and held_out >= 25, result.stdout  # every pair fits; ~40 held out
   start, end = val_metrics(workdir)[0], val_metrics(workdir)[-1]
@@ -108,5 +95,5 @@ def test_dpo_starts_at_log_2_and_raises_held_out_reward_accuracy(base_and_pairs,
 def test_a_preference_run_needs_a_model_to_tune(base_and_pairs, tmp_path, small_tokenizer):
   _, pairs = base_and_pairs
   args = [a for a in dpo_args("x", pairs) if not a.startswith("--config.init_from")]
-  result = run_dpo(tmp_path / "no_init", small_tokenizer, *args, check=False)
+  result = run_train(tmp_path / "no_init", small_tokenizer, *args, check=False)
   assert_one_line_error(result, "data.format='preference' (DPO) tunes a trained model", "set init_from")

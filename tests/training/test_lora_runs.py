@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -31,12 +29,13 @@ from llama_jax.model import lora as lora_lib
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
 from llama_jax.training.trainer import Trainer
-from tests.conftest import ROOT, needs_shakespeare
+from tests.conftest import needs_shakespeare
 from tests.runs import (
   assert_bit_identical,
   assert_one_line_error,
   final_checkpoint,
   read_jsonl,
+  run_module,
   run_train,
 )
 
@@ -111,11 +110,6 @@ def test_sigkill_then_rerun_is_bit_identical(runs, tmp_path, small_tokenizer):
   resumed = run_train(workdir, small_tokenizer, *lora_args(base))
   assert "steps 4 → 12" in resumed.stdout, resumed.stdout
   assert_bit_identical(final_checkpoint(straight, 12), final_checkpoint(workdir, 12))
-
-
-def run_module(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_every_reader_sees_the_merged_model_and_exports_agree_with_peft(runs, tmp_path):
