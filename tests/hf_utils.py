@@ -1,10 +1,12 @@
-"""Reference models for the tests: HF transformers LlamaForCausalLM with random weights, built offline."""
+"""Reference models for the tests: HF transformers LlamaForCausalLM and MixtralForCausalLM with random weights, built
+offline."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 import transformers
+from safetensors import safe_open
 
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.interop import hf as hf_lib
@@ -52,3 +54,28 @@ def adapters_from_peft(tensors, cfg: ModelConfig, lora) -> dict:
     node[name + lora_lib.A_SUFFIX] = a.reshape(cfg.n_layers, *in_shape, lora.rank).astype(np.float32)
     node[name + lora_lib.B_SUFFIX] = b.reshape(cfg.n_layers, lora.rank, *out_shape).astype(np.float32)
   return out
+
+
+def random_hf_mixtral(cfg: ModelConfig, seed: int = 0) -> transformers.MixtralForCausalLM:
+  """transformers' Mixtral with random weights (norm scales randomised too), eager attention."""
+  torch.manual_seed(seed)
+  hf = transformers.MixtralConfig.from_dict(hf_config_lib.hf_config_from_model_config(cfg))
+  hf._attn_implementation = "eager"
+  model = transformers.MixtralForCausalLM(hf).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+  return model
+
+
+def saved_tensors(model: transformers.PreTrainedModel, directory) -> dict[str, np.ndarray]:
+  """The tensors `save_pretrained` writes (for Mixtral, the published per-expert layout, not the fused one
+  transformers ≥ 5 holds in memory), read back from its safetensors file."""
+  model.save_pretrained(directory)
+  return saved_tensors_in(directory)
+
+
+def saved_tensors_in(directory) -> dict[str, np.ndarray]:
+  with safe_open(f"{directory}/model.safetensors", "np") as f:
+    return {name: f.get_tensor(name) for name in f.keys()}

@@ -90,7 +90,7 @@ def inspect_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array) -> tu
   probs_BKGTS = probs_BNTS.reshape(batch, n_kv_heads, n_heads // n_kv_heads, length, length).astype(v_BTKH.dtype)
   out_BTNH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BTKH).reshape(batch, length, n_heads, head_dim)
   h_BTD = block.norm_out(block.attention_norm, x_BTD + attention.output_projection(out_BTNH))
-  return block.mlp_residual(h_BTD), normed_BTD, probs_BNTS
+  return block.mlp_residual(h_BTD)[0], normed_BTD, probs_BNTS
 
 
 def inspect_forward(model: Llama, tokens: Sequence[int]) -> Inspection:

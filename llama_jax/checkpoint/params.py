@@ -49,6 +49,7 @@ SHAPE_FIELDS = (
   "param_dtype",
   "norm",
   "norm_position",
+  "moe.num_experts",
 )
 # Fields that change the function the parameters compute but not their shapes: a fine-tune whose config differs from
 # its init_from in one of them is warned about, not refused (raising rope_theta to extend the context is a known
@@ -61,6 +62,8 @@ FUNCTION_FIELDS = (
   "rope_low_freq_factor",
   "rope_high_freq_factor",
   "rope_original_max_len",
+  "moe.top_k",
+  "moe.normalize_top_k",
 )
 # A host leaf is checked for NaN and infinity this many bytes at a time: a mask of a whole 7B leaf would be a large
 # temporary.
@@ -94,11 +97,18 @@ def load_tokenizer(directory: str, purpose: str) -> TokenizerBase:
   return tokenizer
 
 
+def config_field(cfg: ModelConfig, name: str):
+  """A model config field by name, "moe.top_k" for a field of a section."""
+  for part in name.split("."):
+    cfg = getattr(cfg, part)
+  return cfg
+
+
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
   return [
-    f"{name} {getattr(saved, name)} → {getattr(current, name)}"
+    f"{name} {config_field(saved, name)} → {config_field(current, name)}"
     for name in SHAPE_FIELDS
-    if getattr(saved, name) != getattr(current, name)
+    if config_field(saved, name) != config_field(current, name)
   ]
 
 
@@ -115,7 +125,7 @@ def check_same_model(init_from: str, model_cfg: ModelConfig) -> None:
   changed = [
     f"{name} {saved} → {current}"
     for name in FUNCTION_FIELDS
-    for saved, current in [(getattr(saved_cfg, name), getattr(model_cfg, name))]
+    for saved, current in [(config_field(saved_cfg, name), config_field(model_cfg, name))]
     if not (saved == current or (isinstance(saved, float) and math.isclose(saved, current, rel_tol=1e-6)))
   ]
   if changed:

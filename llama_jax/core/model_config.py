@@ -20,6 +20,61 @@ QUANTIZE_MODES = ("none", "int8")
 NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the projections LoRA can adapt
+MOE_COMPUTES = ("dropless", "capacity", "dense")
+MOE_GROUPED = ("auto", "ragged_dot", "tiles")
+MOE_BALANCE_LOSSES = ("per_layer", "transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """A mixture of experts in place of every block's SwiGLU MLP (``model.moe``; num_experts 0: a dense model).
+
+  Mixtral's choices: a linear router d_model → num_experts, softmax over the experts, the top_k kept and their
+  weights renormalised to sum to 1 (`normalize_top_k`), each expert a SwiGLU MLP of the model's MLP width."""
+
+  num_experts: int = 0
+  top_k: int = 2
+  normalize_top_k: bool = True
+  # dropless: tokens sorted by expert, grouped matmuls, nothing dropped | capacity: at most capacity_factor·fair share
+  # of the assignments per expert (equal-size einsums; the rest dropped and counted) | dense: every expert on every
+  # token, weighted by the routing (the reference path of the tests; top_k/num_experts of its work is used).
+  compute: str = "dropless"
+  # The grouped matmul of the dropless path: ragged_dot (XLA's ragged dot; TPU and GPU kernels) | tiles (groups padded
+  # to row tiles, one dense product per tile; 3× faster than ragged_dot on XLA:CPU, which computes every group on
+  # every row) | auto (tiles on CPU, ragged_dot elsewhere).
+  grouped: str = "auto"
+  capacity_factor: float = 1.25
+  # Weight of the load-balancing loss (Switch: num_experts · Σ_e share of assignments_e · mean router probability_e)
+  # and of the router z-loss (ST-MoE: mean logsumexp(router logits)²), both added to the training objective.
+  aux_loss_weight: float = 0.01
+  z_loss_weight: float = 0.0
+  # per_layer: the balance loss of each MoE layer, averaged over layers (Switch's definition, per layer) |
+  # transformers: one loss over the tokens of every layer together, as transformers' load_balancing_loss_func (its
+  # shares add expert e of every layer, so a layer may idle experts that another layer's e makes up for: on the
+  # plays, 5 of the tiny model's 32 experts got under 0.5% of their layer's assignments at step 150).
+  balance_loss: str = "per_layer"
+
+  def __post_init__(self):
+    for name in ("num_experts", "top_k", "normalize_top_k", "compute", "grouped", "balance_loss"):
+      check_type(self, "model.moe", name)
+    for name in ("capacity_factor", "aux_loss_weight", "z_loss_weight"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"model.moe.{name} must be a finite number ≥ 0, got {value!r}")
+      object.__setattr__(self, name, float(value))
+    if self.num_experts < 0:
+      raise ConfigError(f"model.moe.num_experts must be ≥ 0 (0: a dense MLP), got {self.num_experts}")
+    if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+      raise ConfigError(f"model.moe.top_k must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
+    check_choice("model.moe.compute", self.compute, MOE_COMPUTES)
+    check_choice("model.moe.grouped", self.grouped, MOE_GROUPED)
+    check_choice("model.moe.balance_loss", self.balance_loss, MOE_BALANCE_LOSSES)
+    if self.compute == "capacity" and self.capacity_factor <= 0:
+      raise ConfigError(f"model.moe.capacity_factor must be > 0 for compute='capacity', got {self.capacity_factor}")
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_experts > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +115,21 @@ class ModelConfig:
   # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see
   # quantize.py). For decoding only: made from float weights by quantize.quantize_params; training refuses it.
   quantize: str = "none"
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixture of experts (num_experts 0: none)
 
   def __post_init__(self):
+    if isinstance(self.moe, Mapping):  # from a ConfigDict or saved JSON
+      unknown = sorted(set(self.moe) - {f.name for f in dataclasses.fields(MoEConfig)})
+      if unknown:
+        known = {f.name for f in dataclasses.fields(MoEConfig)}
+        raise ConfigError(
+          f"unknown model.moe keys {unknown}{did_you_mean('model.moe', unknown[0], known)}; known keys: {sorted(known)}"
+        )
+      object.__setattr__(self, "moe", MoEConfig(**self.moe))
+    if not isinstance(self.moe, MoEConfig):
+      raise ConfigError(f"model.moe must be a mapping of MoE settings, got {self.moe!r}")
+    if self.moe.enabled and self.quantize != "none":
+      raise ConfigError("quantize='int8' is not built for mixture-of-experts models (model.moe.num_experts > 0)")
     if self.n_kv_heads is None:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
     for name in ("tie_embeddings", "scan_layers"):
@@ -132,6 +200,12 @@ class ModelConfig:
       hidden = int(self.ffn_dim_multiplier * hidden)
     return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+  def num_active_params(self) -> int:
+    """Weights used per token: a mixture of experts runs top_k of its experts' MLPs (the rest, and the embedding
+    rows of other tokens, are counted in `num_params` only; the embedding is counted here as in `num_params`)."""
+    unused = self.moe.num_experts - self.moe.top_k if self.moe.enabled else 0
+    return self.num_params() - self.n_layers * unused * 3 * self.dim * self.hidden_dim
+
   def num_params(self) -> int:
     """Number of weights from the shapes alone (the tests check it against the abstract float model). The same
     count whatever the storage: an int8 model holds these weights as int8, plus one float32 scale per output channel
@@ -140,7 +214,9 @@ class ModelConfig:
     attention = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
     norm = 0 if self.norm == "none" else d  # one scale per norm; post-norm has no final norm
     final_norm = norm if self.norm_position == "pre" else 0
-    layer = attention + 3 * d * f + 2 * norm
+    experts = max(self.moe.num_experts, 1)
+    router = d * self.moe.num_experts
+    layer = attention + experts * 3 * d * f + router + 2 * norm
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.n_layers * layer + final_norm + head
 

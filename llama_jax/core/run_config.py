@@ -31,7 +31,7 @@ DATA_FORMATS = ("text", "chat", "preference")
 ON_ERROR = ("skip", "stop")
 NONFINITE_POLICIES = ("stop", "skip")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 class Section:
@@ -262,12 +262,15 @@ def _sources(value: Any) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
-  """Devices as data × fsdp × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the data axis over
-  that many slices (multi-slice TPU, or GPU hosts): fsdp and tensor then stay within a slice."""
+  """Devices as data × fsdp × expert × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the data
+  axis over that many slices (multi-slice TPU, or GPU hosts): the other axes then stay within a slice. `expert`
+  shards a mixture's experts (expert parallelism: tokens go to their experts' devices by all-to-all) and, like
+  data and fsdp, the batch outside the experts."""
 
   SECTION = "mesh"
   data: int = 1
   fsdp: int = -1
+  expert: int = 1
   tensor: int = 1
   dcn_data: int = 1
 
@@ -278,7 +281,8 @@ class MeshConfig(Section):
       if size == 0 or size < -1:
         raise ConfigError(f"mesh.{axis} must be a positive integer or -1 (the rest of the devices), got {size}")
     if sizes.count(-1) > 1:
-      raise ConfigError(f"at most one mesh axis may be -1, got data={sizes[0]}, fsdp={sizes[1]}, tensor={sizes[2]}")
+      given = ", ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes))
+      raise ConfigError(f"at most one mesh axis may be -1, got {given}")
     check_range("mesh.dcn_data", self.dcn_data, 1)
 
   def to_dict(self) -> dict[str, int]:
@@ -295,10 +299,11 @@ DEFAULT_LOGICAL_AXIS_RULES = (
   ("kv_heads", "tensor"),
   ("head_dim", None),
   ("mlp", "tensor"),
+  ("expert", "expert"),  # a mixture's experts (each expert's own weights split by "embed" and "mlp" as the MLP's)
   ("norm", None),
   ("layers", None),
   # activations
-  ("activation_batch", ("data", "fsdp")),
+  ("activation_batch", ("data", "fsdp", "expert")),
   ("activation_length", None),
   ("activation_embed", None),
   ("activation_heads", "tensor"),
@@ -360,11 +365,24 @@ class RunConfig:
           f"train.lora.rank {self.train.lora.rank} adapts a trained model: set init_from to its checkpoint "
           f"directory (or train.lora.rank=0 to train every parameter)"
         )
+      on_experts = [t for t in self.train.lora.targets if t in ("w_gate", "w_up", "w_down")]
+      if self.model.moe.enabled and on_experts:
+        raise ConfigError(
+          f"train.lora.targets {on_experts} are a mixture of experts' weights here, which LoRA does not adapt; "
+          "use --config.train.lora.targets=\"('wq','wk','wv','wo')\""
+        )
       if self.train.lora.rank > self.model.dim:
         raise ConfigError(
           f"train.lora.rank must be in [1, model.dim={self.model.dim}] (a rank past the width adds nothing), "
           f"got {self.train.lora.rank}"
         )
+    experts, expert_axis = self.model.moe.num_experts, self.mesh.expert
+    if expert_axis != 1 and not experts:
+      raise ConfigError(
+        f"mesh.expert={expert_axis} shards a mixture's experts, but model.moe.num_experts is 0 (a dense model)"
+      )
+    if expert_axis > 1 and experts % expert_axis:
+      raise ConfigError(f"mesh.expert={expert_axis} does not divide model.moe.num_experts={experts}")
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "

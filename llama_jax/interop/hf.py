@@ -40,7 +40,6 @@ from llama_jax.interop.hf_config import (
   DTYPES_FROM_HF,
   check_hf_expressible,
   hf_config_from_model_config,
-  hf_value,
   model_config_from_hf,
 )
 from llama_jax.interop.output import (
@@ -74,6 +73,18 @@ _HF_LAYER_TENSORS = {
 }
 
 
+# A Mixtral layer's mixture of experts, as published checkpoints store it (transformers ≥ 5 fuses the experts in
+# memory and writes this layout back on save): HF name suffix → (params path, stored transposed); the expert
+# tensors' names hold the expert index in place of "{e}".
+_HF_MOE_ROUTER = "block_sparse_moe.gate.weight"
+_HF_MOE_TENSORS = {
+  _HF_MOE_ROUTER: (("layers", "mlp", "router"), True),
+  "block_sparse_moe.experts.{e}.w1.weight": (("layers", "mlp", "w_gate"), True),
+  "block_sparse_moe.experts.{e}.w3.weight": (("layers", "mlp", "w_up"), True),
+  "block_sparse_moe.experts.{e}.w2.weight": (("layers", "mlp", "w_down"), True),
+}
+_HF_MLP_SUFFIXES = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
 # Each projection's HF module name (what peft's target_modules and tensor names use): "wq" → "self_attn.q_proj".
 HF_MODULES = {
   path[-1]: name.removesuffix(".weight") for name, (path, transposed) in _HF_LAYER_TENSORS.items() if transposed
@@ -86,6 +97,7 @@ class HFTensor(NamedTuple):
   layer: int | None  # index into the stacked layer axis, None for leaves outside the layers
   transposed: bool  # the leaf stores the HF tensor transposed ([in, out])
   shape: tuple[int, ...]  # HF shape, [out, in]
+  expert: int | None = None  # index into a mixture's stacked expert axis (after the layer axis)
 
 
 def hf_tensor_plan(cfg: ModelConfig) -> list[HFTensor]:
@@ -105,9 +117,20 @@ def hf_tensor_plan(cfg: ModelConfig) -> list[HFTensor]:
   }
   plan = [HFTensor("model.embed_tokens.weight", ("embed",), None, False, (cfg.vocab_size, d))]
   for suffix, (path, transposed) in _HF_LAYER_TENSORS.items():
+    if cfg.moe.enabled and suffix in _HF_MLP_SUFFIXES:
+      continue
     plan += [
       HFTensor(f"model.layers.{i}.{suffix}", path, i, transposed, layer_shapes[suffix]) for i in range(cfg.n_layers)
     ]
+  if cfg.moe.enabled:
+    moe_shapes = dict(zip(_HF_MOE_TENSORS, [(cfg.moe.num_experts, d), (f, d), (f, d), (d, f)]))
+    for suffix, (path, transposed) in _HF_MOE_TENSORS.items():
+      experts = [None] if suffix == _HF_MOE_ROUTER else range(cfg.moe.num_experts)
+      plan += [
+        HFTensor(f"model.layers.{i}.{suffix.format(e=e)}", path, i, transposed, moe_shapes[suffix], e)
+        for i in range(cfg.n_layers)
+        for e in experts
+      ]
   plan.append(HFTensor("model.norm.weight", ("final_norm", "scale"), None, False, (d,)))
   if not cfg.tie_embeddings:
     plan.append(HFTensor("lm_head.weight", ("lm_head",), None, True, (cfg.vocab_size, d)))
@@ -118,6 +141,7 @@ def hf_view(leaf: np.ndarray, tensor: HFTensor) -> np.ndarray:
   """The HF tensor as a view of its params leaf: writes to it fill the leaf (a C-contiguous leaf, as every leaf made
   or restored here is, reshapes without a copy)."""
   part = leaf if tensor.layer is None else leaf[tensor.layer]
+  part = part if tensor.expert is None else part[tensor.expert]
   view = part.reshape(tensor.shape[::-1] if tensor.transposed else tensor.shape)
   return view.T if tensor.transposed else view
 
@@ -165,7 +189,7 @@ def _check_hf_tensors(
       )
     if not _HF_INV_FREQ.fullmatch(name):
       raise ConvertError(
-        f"found {name!r} in {file_of(name)}, which is not a weight of the LlamaForCausalLM {config} describes; "
+        f"found {name!r} in {file_of(name)}, which is not a weight of the model {config} describes; "
         "converting would drop it"
       )
   missing = [name for name in expected if name not in shapes and not (cfg.tie_embeddings and name == _TIED_HEAD)]
@@ -320,9 +344,6 @@ def open_hf_dir(hf_dir: str) -> tuple[ModelConfig, safetensors_stream.Reader]:
   hf_config = _read_json(config_path)
   if not isinstance(hf_config, dict):
     raise ConvertError(f"{config_path} holds a JSON {type(hf_config).__name__}, not an object")
-  model_type = hf_value(hf_config, "model_type", "a string", config_path, "llama")
-  if model_type != "llama":
-    raise ConvertError(f"{config_path} has model_type={model_type!r}; only 'llama' is supported")
   cfg = model_config_from_hf(hf_config, config_path)
   files, weight_map = _safetensors_files(hf_dir)
   reader = safetensors_stream.Reader(files)

@@ -1,5 +1,5 @@
-"""HF transformers' Llama ``config.json`` ↔ ``ModelConfig``: every key checked by name and kind, features llama_jax
-lacks refused by name, and the config transformers needs for an export."""
+"""HF transformers' Llama and Mixtral ``config.json`` ↔ ``ModelConfig``: every key checked by name and kind, features
+llama_jax lacks refused by name, and the config transformers needs for an export."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def check_hf_expressible(cfg: ModelConfig, where: str = "the model") -> None:
       f"{where} has norm={cfg.norm!r}, norm_position={cfg.norm_position!r}; HF Llama has only norm='rmsnorm', "
       f"norm_position='pre', so it cannot be converted"
     )
+  if cfg.moe.enabled and (not cfg.moe.normalize_top_k or cfg.tie_embeddings):
+    raise ConvertError(
+      f"{where} is a mixture of experts with normalize_top_k={cfg.moe.normalize_top_k}, "
+      f"tie_embeddings={cfg.tie_embeddings}; HF Mixtral renormalises the top-k weights and has its own LM head"
+    )
+
+
+# model_type of a config.json → what it is read as; Mixtral is LLaMA with a mixture of experts in every block.
+MODEL_TYPES = ("llama", "mixtral")
 
 
 # The keys of a transformers Llama config.json that have no default (shapes follow from them).
@@ -55,6 +64,10 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> M
   """ModelConfig from a transformers Llama ``config.json`` (`where` names it in messages); features llama_jax lacks
   are refused by name, and so is a missing or mistyped key. Long because it reads the config key by key, each checked
   where it is read (a table would hide the checks that differ per key)."""
+  model_type = hf_value(hf, "model_type", "a string", where, "llama")
+  if model_type not in MODEL_TYPES:
+    raise ConvertError(f"{where} has model_type={model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+  mixtral = model_type == "mixtral"
   for key in ("attention_bias", "mlp_bias"):
     if hf_value(hf, key, "true or false", where, False):
       raise ConvertError(f"{where} sets {key}=true; LLaMA 2 has no biases and llama_jax does not support them")
@@ -75,7 +88,7 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> M
   # transformers ≥ 5 keeps theta and scaling together in rope_parameters.
   rope_parameters = hf_value(hf, "rope_parameters", "an object", where, {})
   theta = hf_value(rope_parameters, "rope_theta", "a number", f"{where} rope_parameters", None)
-  theta = hf_value(hf, "rope_theta", "a number", where, 10000.0) if theta is None else theta
+  theta = hf_value(hf, "rope_theta", "a number", where, 1e6 if mixtral else 10000.0) if theta is None else theta
   if hf_value(rope_parameters, "rope_type", "a string", f"{where} rope_parameters", "default") != "default":
     rope, rope_where = rope_parameters, f"{where} rope_parameters"
   kind = "none"
@@ -99,6 +112,9 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> M
     param_dtype=DTYPES_FROM_HF[dtype],
     rope_scaling=kind,
   )
+
+  if mixtral:
+    fields["moe"] = _moe_from_hf(hf, where)
 
   def rope_number(key: str) -> Any:
     return hf_value(rope, key, "a number", rope_where, why=f"required for rope_type {kind!r}")
@@ -124,8 +140,26 @@ def model_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> M
   return cfg
 
 
+def _moe_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+  """model.moe of a Mixtral config.json (transformers' MixtralConfig defaults where a key is absent); the features
+  of Mixtral's config that llama_jax does not run are refused by name."""
+  window = hf_value(hf, "sliding_window", "an integer", where, None)
+  if window is not None:
+    raise ConvertError(f"{where} sets sliding_window={window}; llama_jax attends over the whole context (use null)")
+  jitter = hf_value(hf, "router_jitter_noise", "a number", where, 0.0)
+  if jitter:
+    raise ConvertError(f"{where} sets router_jitter_noise={jitter}; llama_jax's router adds no noise (use 0)")
+  return dict(
+    num_experts=hf_value(hf, "num_local_experts", "an integer", where, 8),
+    top_k=hf_value(hf, "num_experts_per_tok", "an integer", where, 2),
+    aux_loss_weight=float(hf_value(hf, "router_aux_loss_coef", "a number", where, 0.001)),
+    balance_loss="transformers",  # the loss this coefficient was chosen for (a fine-tune may set per_layer)
+  )
+
+
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
-  """A transformers ``config.json`` for LlamaForCausalLM with these hyper-parameters."""
+  """A transformers ``config.json`` for LlamaForCausalLM (MixtralForCausalLM for a mixture of experts) with these
+  hyper-parameters."""
   rope_scaling = None
   if cfg.rope_scaling == "linear":
     rope_scaling = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
@@ -137,9 +171,20 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
       "high_freq_factor": cfg.rope_high_freq_factor,
       "original_max_position_embeddings": cfg.rope_original_max_len,
     }
+  if cfg.moe.enabled:
+    architecture = dict(
+      architectures=["MixtralForCausalLM"],
+      model_type="mixtral",
+      num_local_experts=cfg.moe.num_experts,
+      num_experts_per_tok=cfg.moe.top_k,
+      router_aux_loss_coef=cfg.moe.aux_loss_weight,
+      router_jitter_noise=0.0,
+      sliding_window=None,
+    )
+  else:
+    architecture = dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False)
   return {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+    **architecture,
     "vocab_size": cfg.vocab_size,
     "hidden_size": cfg.dim,
     "intermediate_size": cfg.hidden_dim,
@@ -153,8 +198,6 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     "rope_theta": cfg.rope_theta,
     "rope_scaling": rope_scaling,
     "tie_word_embeddings": cfg.tie_embeddings,
-    "attention_bias": False,
-    "mlp_bias": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "torch_dtype": cfg.param_dtype,

@@ -5,7 +5,8 @@ Axis legend used in every einsum and array name of the package:
   H head dim, D model dim, F mlp hidden, V vocab, L layers,
   P padded prompt length (a decoding bucket), C query chunk (chunked attention; the chunked loss's positions per chunk),
   W chunks of a sequence (the chunked loss, loss.py), Q = G·T query rows per kv head (cached attention), X any head
-  axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py).
+  axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py); E experts, M tokens flattened (B·T),
+  J top-k choices, A assignments, U expert slots, Y tile rows, Z tiles (mixture of experts, moe.py).
 
 Parameters carry logical axis names (see ``run_config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
 config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
@@ -32,6 +33,7 @@ from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
 from llama_jax.model import attention as attention_lib
 from llama_jax.model import lora as lora_lib
+from llama_jax.model import moe as moe_lib
 from llama_jax.model import quantize, sharding
 
 Array = jax.Array
@@ -277,25 +279,89 @@ class MLP(nnx.Module):
     )  # BTF,FD->BTD
 
 
+# Each expert weight's logical axes: stacked SwiGLU projections, experts first.
+EXPERT_AXES = {
+  "w_gate": ("expert", "embed", "mlp"),
+  "w_up": ("expert", "embed", "mlp"),
+  "w_down": ("expert", "mlp", "embed"),
+}
+
+
+class MoE(nnx.Module):
+  """A mixture of SwiGLU experts (``cfg.moe``): a linear router picks top_k of num_experts per token and the token's
+  output is their outputs weighted by the routing (moe.py runs them). Expert weights are stacked [E, ...] with the
+  logical axis "expert" first, so the mesh mapping decides where experts live."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, f, e = cfg.dim, cfg.hidden_dim, cfg.moe.num_experts
+    self.router = _param(rngs, (d, e), ("embed", None), cfg)
+    for name, axes in EXPERT_AXES.items():
+      shape = {"expert": e, "embed": d, "mlp": f}
+      setattr(self, name, _param(rngs, tuple(shape[axis] for axis in axes), axes, cfg))
+
+  @jax.named_scope("moe")
+  def __call__(self, x_BTD: Array, mask_BT: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """(output [B, T, D], this layer's router sums (moe.router_sums) over the tokens where `mask_BT` is true)."""
+    cfg = self.cfg.moe
+    b, t, d = x_BTD.shape
+    x_MD = x_BTD.reshape(b * t, d)
+    logits_ME = project(x_MD, self.router[...], preferred_element_type=jnp.float32)  # MD,DE->ME
+    weights_MJ, experts_MJ, probs_ME = moe_lib.route(logits_ME, cfg)
+    experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    sums = moe_lib.router_sums(logits_ME, probs_ME, experts_MJ, None if mask_BT is None else mask_BT.reshape(-1))
+    grouped = cfg.grouped
+    if grouped == "auto":
+      grouped = "tiles" if sharding.target_platform() == "cpu" else "ragged_dot"
+    if cfg.compute == "dense" and moe_lib.expert_devices() > 1:
+      raise sharding.ShardingError("model.moe.compute='dense' (the reference) does not run with mesh.expert > 1")
+    if cfg.compute != "dense" and moe_lib.mesh_active():
+      # Per device (shard_map): each device routes its own tokens, to its own experts or, with mesh.expert > 1,
+      # to the experts' devices by all-to-all. Left to the compiler, sorting the batch-sharded tokens gathered every
+      # token everywhere (TPU compiler, v5p-8, fsdp=4, a 2-layer model: 116 MB of all-reduce per step, 1.1 MB so).
+      y_MD, dropped = moe_lib.sharded_experts(
+        x_MD,
+        weights_MJ,
+        experts_MJ,
+        experts,
+        [EXPERT_AXES[name] for name in ("w_gate", "w_up", "w_down")],
+        grouped=grouped,
+        capacity_factor=cfg.capacity_factor if cfg.compute == "capacity" else None,
+      )
+      if cfg.compute == "capacity":
+        sums["dropped"] = dropped
+    elif cfg.compute == "dense":
+      y_MD = moe_lib.dense(x_MD, weights_MJ, experts_MJ, *experts)
+    elif cfg.compute == "capacity":
+      y_MD, sums["dropped"] = moe_lib.capacity(x_MD, weights_MJ, experts_MJ, *experts, cfg.capacity_factor)
+    else:
+      y_MD = moe_lib.dropless(x_MD, weights_MJ, experts_MJ, *experts, grouped)
+    return y_MD.reshape(b, t, d), sums
+
+
 class Block(nnx.Module):
   """Residual block. Pre-norm (LLaMA, `cfg.norm_position == "pre"`): h = x + attention(norm(x)), out = h + mlp(norm(h)).
   Post-norm (the original Transformer): h = norm(x + attention(x)), out = norm(h + mlp(h)). `attention_norm` and
-  `mlp_norm` keep their names in both (the norm around each sub-layer); with `cfg.norm == "none"` there are none."""
+  `mlp_norm` keep their names in both (the norm around each sub-layer); with `cfg.norm == "none"` there are none.
+  With `cfg.moe`, `mlp` is a mixture of experts, and the block also returns its router sums (else an empty dict)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
     self.pre_norm = cfg.norm_position == "pre"
     self.attention_norm = make_norm(cfg, rngs)
     self.attention = Attention(cfg, rngs=rngs, lora=lora)
     self.mlp_norm = make_norm(cfg, rngs)
-    self.mlp = MLP(cfg, rngs=rngs, lora=lora)
+    self.mlp = MoE(cfg, rngs=rngs) if cfg.moe.enabled else MLP(cfg, rngs=rngs, lora=lora)
 
-  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> tuple[Array, dict[str, Array]]:
+    """(output [B, T, D], router sums): the router statistics count the tokens that are not padding."""
     attended_BTD = self.attention(self.norm_in(self.attention_norm, x_BTD), positions_BT, segment_ids_BT)
-    return self.mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD))
+    mask_BT = None if segment_ids_BT is None else segment_ids_BT != 0
+    return self.mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD), mask_BT)
 
   def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
     attended_BTD, new_kv = self.attention.decode(self.norm_in(self.attention_norm, x_BTD), positions_BT, cache)
-    return self.mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD)), new_kv
+    out_BTD, _ = self.mlp_residual(self.norm_out(self.attention_norm, x_BTD + attended_BTD))
+    return out_BTD, new_kv
 
   def norm_in(self, norm: RMSNorm | LayerNorm | None, x_BTD: Array) -> Array:
     """What a sub-layer reads: norm(x) in a pre-norm block, x itself in a post-norm one (or with no norm)."""
@@ -305,10 +371,16 @@ class Block(nnx.Module):
     """The residual sum passed on: norm(h) in a post-norm block, h itself in a pre-norm one."""
     return norm(h_BTD) if norm is not None and not self.pre_norm else h_BTD
 
-  def mlp_residual(self, h_BTD: Array) -> Array:
-    """The block's second half: the MLP sub-layer and its residual sum (normed as the block's norm position says)."""
-    out_BTD = self.norm_out(self.mlp_norm, h_BTD + self.mlp(self.norm_in(self.mlp_norm, h_BTD)))
-    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed"))
+  def mlp_residual(self, h_BTD: Array, mask_BT: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """The block's second half: the MLP sub-layer and its residual sum (normed as the block's norm position says),
+    with the router sums of a mixture of experts over the tokens of `mask_BT` (an empty dict for a dense MLP)."""
+    mlp_in_BTD = self.norm_in(self.mlp_norm, h_BTD)
+    if isinstance(self.mlp, MoE):
+      mlp_out_BTD, router = self.mlp(mlp_in_BTD, mask_BT)
+    else:
+      mlp_out_BTD, router = self.mlp(mlp_in_BTD), {}
+    out_BTD = self.norm_out(self.mlp_norm, h_BTD + mlp_out_BTD)
+    return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed")), router
 
 
 # Position stored in empty cache slots: larger than any query position, so the causal test hides them.
@@ -416,27 +488,37 @@ class Llama(nnx.Module):
   def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
     """The residual stream after the last block [B, T, D], before the final norm and the head (`logits`): what a
     loss computed in chunks of the sequence projects a chunk at a time."""
+    return self.forward(tokens_BT, positions_BT, segment_ids_BT)[0]
+
+  def forward(
+    self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None
+  ) -> tuple[Array, dict[str, Array]]:
+    """(`hidden`'s residual stream [B, T, D], router sums [L, ...] of a mixture of experts (moe.router_sums, one
+    row per layer; an empty dict for a dense model)): what the training objective reads for its balance losses."""
     cfg = self.cfg
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = self.embed_tokens(tokens_BT)
     if not self.stacked:
+      per_layer = []
       for block in self.layers:
-        x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
-      return x_BTD
+        x_BTD, router = block(x_BTD, positions_BT, segment_ids_BT)
+        per_layer.append(router)
+      return x_BTD, jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer)
     graphdef, layer_state = nnx.split(self.layers)
 
     def run_layer(h_BTD, one_layer_state):
-      return nnx.merge(graphdef, one_layer_state, copy=True)(h_BTD, positions_BT, segment_ids_BT), None
+      return nnx.merge(graphdef, one_layer_state, copy=True)(h_BTD, positions_BT, segment_ids_BT)
 
     if cfg.remat != "none":
       run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-      x_BTD, _ = jax.lax.scan(run_layer, x_BTD, layer_state)
-    else:
-      for i in range(cfg.n_layers):
-        x_BTD, _ = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
-    return x_BTD
+      return jax.lax.scan(run_layer, x_BTD, layer_state)
+    per_layer = []
+    for i in range(cfg.n_layers):
+      x_BTD, router = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
+      per_layer.append(router)
+    return x_BTD, jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer)
 
   def decode(
     self,

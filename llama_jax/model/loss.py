@@ -15,13 +15,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llama_jax.core.model_config import MoEConfig
+from llama_jax.model import moe as moe_lib
+
 # exp() of a mean loss past this many nats is reported as exp(50) (≈ 5e21): an early, diverging model's perplexity
 # stays a finite number in logs and JSON instead of inf.
 MAX_LOG_PERPLEXITY = 50.0
 
 
 def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross-entropy [B, T] (float32) and the per-token weights (loss mask; 1 where absent).
+  """Per-token cross-entropy [B, T] (float32) and the per-token weights (loss mask; 1 where absent): see
+  `losses_and_router`."""
+  losses_BT, weights_BT, _ = losses_and_router(params, graphdef, batch)
+  return losses_BT, weights_BT
+
+
+def losses_and_router(
+  params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """Per-token cross-entropy [B, T] (float32), the per-token weights (loss mask; 1 where absent), and a mixture of
+  experts' balance terms of this batch (`moe_terms`; an empty dict for a dense model).
 
   With the model's `loss_chunk` C > 0 the head and the cross-entropy run over C positions at a time in a scan whose
   body is rematerialised: the backward pass recomputes a chunk's logits instead of keeping them, so at most one
@@ -29,7 +42,7 @@ def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array
   cut off. Each position's loss is the same function of its own logits row either way."""
   model = nnx.merge(graphdef, params)
   targets_BT = batch["targets"]
-  x_BTD = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+  x_BTD, router = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
   chunk = model.cfg.loss_chunk
   with jax.named_scope("loss"):
     if not chunk or chunk >= x_BTD.shape[1]:
@@ -38,7 +51,25 @@ def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array
       losses_BT = _chunked_cross_entropy(model, x_BTD, targets_BT, chunk)
     weights_BT = batch.get("weights")
     weights_BT = jnp.ones_like(losses_BT) if weights_BT is None else weights_BT.astype(jnp.float32)
-  return losses_BT, weights_BT
+  return losses_BT, weights_BT, moe_terms(router, model.cfg.moe) if router else {}
+
+
+def moe_terms(router: dict[str, jax.Array], cfg: MoEConfig) -> dict[str, jax.Array]:
+  """What a mixture of experts adds to a batch's objective, from its layers' router sums: `objective`, the weighted
+  balance and z losses added to the mean token loss; `moe_balance`, `moe_z` the two losses unweighted;
+  `moe_imbalance` the worst layer's max/min assignments; `moe_load` [L, E] each layer's share of assignments per
+  expert; `moe_dropped` the share of assignments dropped (capacity path only)."""
+  losses = moe_lib.balance_losses(router, cfg.top_k, cfg.balance_loss)
+  terms = dict(
+    objective=cfg.aux_loss_weight * losses["balance"] + cfg.z_loss_weight * losses["z"],
+    moe_balance=losses["balance"],
+    moe_z=losses["z"],
+    moe_imbalance=losses["imbalance"],
+    moe_load=losses["load"],
+  )
+  if "dropped" in router:
+    terms["moe_dropped"] = jnp.mean(router["dropped"])
+  return terms
 
 
 def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

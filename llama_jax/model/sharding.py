@@ -39,13 +39,13 @@ def mesh_config(mesh: MeshConfig | Mapping[str, int]) -> MeshConfig:
   if unknown:
     raise ShardingError(f"unknown mesh axes {unknown}; the mesh axes are {', '.join(MESH_AXES)} (and dcn_data)")
   try:
-    return MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **values})
+    return MeshConfig(**{"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **values})
   except ConfigError as e:
     raise ShardingError(str(e)) from None
 
 
-def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> tuple[int, int, int]:
-  """Global (data, fsdp, tensor) sizes, one -1 replaced by the devices the other axes leave.
+def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> tuple[int, ...]:
+  """Global sizes of the MESH_AXES (data, fsdp, expert, tensor), one -1 replaced by the devices the other axes leave.
 
   `dcn_data` (default 1) is the number of slices (multi-slice TPU, or hosts joined by a slower network) that the data
   axis spans: the data axis is dcn_data × data, and the -1 is resolved within one slice. Axes missing from a plain
@@ -68,13 +68,13 @@ def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> 
   if math.prod(sizes) != per_slice:
     where = f"devices per slice ({n_devices} devices / dcn_data {dcn})" if dcn > 1 else "devices are available"
     raise ShardingError(
-      f"mesh data×fsdp×tensor = {sizes[0]}×{sizes[1]}×{sizes[2]} = {math.prod(sizes)} devices, but {per_slice} {where}"
+      f"mesh {'×'.join(MESH_AXES)} = {'×'.join(map(str, sizes))} = {math.prod(sizes)} devices, but {per_slice} {where}"
     )
-  return dcn * sizes[0], sizes[1], sizes[2]
+  return dcn * sizes[0], *sizes[1:]
 
 
 def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), axis types Auto."""
+  """A (data, fsdp, expert, tensor) mesh over `devices` (default: all devices of all processes), axis types Auto."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices))
   dcn = mesh_config(mesh_cfg).dcn_data
@@ -92,7 +92,7 @@ def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.De
       f"mesh.dcn_data is {dcn} but the devices form {granules} {'processes' if by_process else 'slices'}"
     )
   grid = mesh_utils.create_hybrid_device_mesh(
-    (shape[0] // dcn, shape[1], shape[2]), (dcn, 1, 1), devices, process_is_granule=by_process
+    (shape[0] // dcn, *shape[1:]), (dcn,) + (1,) * (len(shape) - 1), devices, process_is_granule=by_process
   )
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 

@@ -15,9 +15,12 @@ from llama_jax.core.model_config import ModelConfig
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token (forward + backward = 3 × forward): 6 per matmul weight, plus attention's QKᵀ and PV
-  (counted in full, as PaLM's MFU does, though the causal half is masked)."""
+  (counted in full, as PaLM's MFU does, though the causal half is masked). A mixture of experts counts the top_k
+  experts a token runs and its router: the model's FLOPs, whichever path computes them (the dense reference runs all
+  experts; the capacity path pads)."""
   d, h = cfg.dim, cfg.head_dim
-  per_layer = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.hidden_dim
+  mlp = 3 * d * cfg.hidden_dim * (cfg.moe.top_k if cfg.moe.enabled else 1) + d * cfg.moe.num_experts
+  per_layer = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + mlp
   matmul_weights = cfg.n_layers * per_layer + cfg.vocab_size * d  # + LM head; the embedding lookup is no matmul
   return 6.0 * matmul_weights + 12.0 * cfg.n_layers * cfg.n_heads * h * seq_len
 

@@ -36,11 +36,24 @@ def format_value(value: float) -> str:
 def format_line(metrics: dict[str, float]) -> str:
   """ "loss 3.2 | ... | goodput 0.91 | time 1.2s: device 93% data 1% ...": the window's time split as shares."""
   times = {k[len("time_") : -len("_s")]: v for k, v in metrics.items() if k.startswith("time_")}
-  line = " | ".join(f"{k} {format_value(v)}" for k, v in metrics.items() if not k.startswith("time_"))
+  # Keys with a "/" are per-part detail (a mixture's moe_load/<layer>/<expert>): files and trackers, not the line.
+  shown = {k: v for k, v in metrics.items() if not k.startswith("time_") and "/" not in k}
+  line = " | ".join(f"{k} {format_value(v)}" for k, v in shown.items())
   total = sum(times.values())
   if total > 0:
     line += f" | time {total:.3g}s: " + " ".join(f"{phase} {seconds / total:.0%}" for phase, seconds in times.items())
   return line
+
+
+def _flat_means(name: str, fetched: list[dict[str, Any]]) -> dict[str, float]:
+  """The window's mean of metric `name`: one float, or for an array metric (a mixture's moe_load [L, E]) one float
+  per element named name/i/j."""
+  if not fetched:
+    return {name: float("nan")}
+  mean = np.mean([np.asarray(m[name], np.float64) for m in fetched], axis=0)
+  if mean.ndim == 0:
+    return {name: float(mean)}
+  return {"/".join([name, *map(str, index)]): float(value) for index, value in np.ndenumerate(mean)}
 
 
 class MetricsWriter:
@@ -125,7 +138,7 @@ class MetricsWriter:
     finite = [m for m in fetched if not m.get("nonfinite", 0)]
     self.last_train = dict(
       loss=loss,
-      **{k: float(np.mean([m[k] for m in finite])) if finite else float("nan") for k in extra},
+      **{k: v for name in extra for k, v in _flat_means(name, finite).items()},
       grad_norm=float(fetched[-1]["grad_norm"]),
       lr=float(fetched[-1]["lr"]),
       tokens_per_s=self._tokens_per_step * steps / training,

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from llama_jax.model import lora as lora_lib
-from llama_jax.model.loss import dpo_eval_step, dpo_losses, eval_step, token_losses
+from llama_jax.model.loss import dpo_eval_step, dpo_losses, eval_step, losses_and_router
 
 State = dict[str, Any]  # {"step": int32[], "params": pure dict, "opt_state": optax state, "rng": uint32[2]}
 
@@ -74,16 +74,21 @@ def train_step(
 
 
 def make_objective(graphdef: nnx.GraphDef, dpo_beta: float | None) -> Callable:
-  """The loss a run trains: next-token cross-entropy (pretraining, SFT), or with `dpo_beta` the DPO loss of
-  preference pairs. With LoRA (`frozen["base"]`) the policy is the base plus the trained adapters and DPO's reference
-  is the base alone (the adapters at zero: no second copy of the model); otherwise the reference is
+  """The loss a run trains: next-token cross-entropy (pretraining, SFT; plus a mixture of experts' weighted balance
+  losses, as transformers' Mixtral adds them, with the losses and expert loads as metrics), or with `dpo_beta` the
+  DPO loss of preference pairs. With LoRA (`frozen["base"]`) the policy is the base plus the trained adapters and
+  DPO's reference is the base alone (the adapters at zero: no second copy of the model); otherwise the reference is
   `frozen["reference"]`, the initial parameters."""
 
   def objective(params, micro, frozen):
     policy = policy_params(params, frozen)
     if dpo_beta is None:
-      losses, weights = token_losses(policy, graphdef, micro)
-      return jnp.sum(losses * weights), (jnp.sum(weights), {})
+      losses, weights, moe = losses_and_router(policy, graphdef, micro)
+      count = jnp.sum(weights)
+      # A mixture of experts' balance losses are means over the micro-batch: weighted by its count like the token
+      # losses, so the step's division by the whole count averages them over micro-batches too.
+      objective_sum = jnp.sum(losses * weights) + moe.pop("objective", 0.0) * count
+      return objective_sum, (count, {name: value * count for name, value in moe.items()})
     reference = reference_params(params, frozen)
     loss_sum, pairs, sums = dpo_losses(policy, graphdef, micro, beta=dpo_beta, reference_params=reference)
     return loss_sum, (pairs, sums)

@@ -413,6 +413,11 @@ def _start_line(trainer: Trainer, run_data: RunData, start: int, fine_tune_start
   return (
     f"model {model_cfg.num_params():,} params"
     + (
+      f" ({model_cfg.num_active_params():,} active: top-{model_cfg.moe.top_k} of {model_cfg.moe.num_experts} experts)"
+      if model_cfg.moe.enabled
+      else ""
+    )
+    + (
       f" | LoRA rank {lora.rank} on {','.join(lora.targets)}: "
       f"{lora_lib.num_adapter_params(model_cfg, lora):,} trainable"
       if lora

@@ -45,7 +45,7 @@ def test_plan_errors_name_the_values():
   result = run_plan("--devices", "6", "--config.mesh.fsdp=8")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-    "error: mesh data×fsdp×tensor = 1×8×1 = 8 devices, but 6 devices are available"
+    "error: mesh data×fsdp×expert×tensor = 1×8×1×1 = 8 devices, but 6 devices are available"
   )
   result = run_plan("--devices", "0")
   assert result.returncode == 2 and "--devices must be a positive integer, got 0" in result.stderr

@@ -77,6 +77,22 @@ BAD_RUN_CONFIGS = {
   "mesh_two_minus_one": (TINY, ["--config.mesh.data=-1"], "at most one mesh axis may be -1"),
   "negative_seed": (TINY, ["--config.seed=-1"], "seed must be ≥ 0, got -1"),
   "model_heads": (TINY, ["--config.model.n_heads=3"], "dim must be divisible by n_heads, got dim=128, n_heads=3"),
+  "moe_top_k": (
+    TINY,
+    ["--config.model.moe.num_experts=4", "--config.model.moe.top_k=5"],
+    "model.moe.top_k must be between 1 and num_experts=4, got 5",
+  ),
+  "expert_axis_on_dense": (TINY, ["--config.mesh.expert=2"], "mesh.expert=2 shards a mixture's experts"),
+  "expert_axis_indivisible": (
+    TINY,
+    ["--config.model.moe.num_experts=6", "--config.mesh.expert=4"],
+    "mesh.expert=4 does not divide model.moe.num_experts=6",
+  ),
+  "moe_lora_on_experts": (
+    TINY,
+    ["--config.model.moe.num_experts=4", "--config.train.lora.rank=4", "--config.init_from=/nonexistent"],
+    "train.lora.targets ['w_gate', 'w_up', 'w_down'] are a mixture of experts' weights here",
+  ),
   "file_unknown_key": (
     "typo_train.py",
     [],

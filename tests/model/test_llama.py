@@ -124,7 +124,7 @@ def test_block_matches_hf(n_kv_heads):
   expected = hf_model.model.layers[0](
     torch.tensor(x), attention_mask=causal_mask(24), position_embeddings=hf_rope(hf_model, torch.tensor(x), positions)
   )
-  got = ours(jnp.asarray(x), jnp.asarray(positions), None)
+  got, _ = ours(jnp.asarray(x), jnp.asarray(positions), None)
   np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), atol=COMPONENT_TOL, rtol=0)
 
 

@@ -97,7 +97,7 @@ def test_block_variant_matches_torch_reference(variant):
   x = random_hidden(cfg, length=20)
   positions = np.broadcast_to(np.arange(20), (2, 20))
   expected = torch_block(cfg, hf_model.model.layers[0], torch.tensor(x), hf_rope(hf_model, torch.tensor(x), positions))
-  got = np.asarray(ours(jnp.asarray(x), jnp.asarray(positions), None))
+  got = np.asarray(ours(jnp.asarray(x), jnp.asarray(positions), None)[0])
   np.testing.assert_allclose(got, expected.detach().numpy(), atol=TOL, rtol=0)
 
 

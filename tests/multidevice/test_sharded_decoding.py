@@ -85,6 +85,22 @@ def test_sharded_greedy_decoding_equals_one_device_and_splits_weights_and_cache(
   assert sampler.weight_bytes_per_device() == (split // tensor + norms) * 4
 
 
+@pytest.mark.parametrize("spec", ["tensor=4", "data=2,tensor=2"])
+def test_a_mixture_of_experts_decodes_on_a_mesh_as_on_one_device_with_experts_split_over_tensor(spec):
+  """Each expert's SwiGLU split over tensor like the dense MLP (gate and up by columns, down by rows); every device
+  routes its rows itself (the experts run per device, in shard_map), so greedy tokens equal one device's."""
+  cfg = BASE.replace(n_kv_heads=4, moe=dict(num_experts=4, top_k=2))
+  params = random_params(cfg)
+  reference = Sampler(cfg, params, eos_id=-1).generate(PROMPTS, 24)
+  mesh = inference.decode_mesh(spec, jax.devices()[:4])
+  sampler = Sampler(cfg, params, eos_id=-1, mesh=mesh)
+  assert sampler.generate(PROMPTS, 24) == reference
+  mlp = sampler.params["layers"][0]["mlp"]
+  # [E, D, F] and [E, F, D]; the expert axis (size 1 in a decode mesh) keeps its place in the spec.
+  assert mlp["w_gate"].sharding.spec == P("expert", None, "tensor")
+  assert mlp["w_down"].sharding.spec == P("expert", "tensor", None)
+
+
 def test_int8_on_a_mesh_with_repeated_kv_heads_equals_int8_on_one_device():
   """Quantized after the kv heads are repeated: the scales of wk and wv repeat with them."""
   cfg = BASE.replace(n_kv_heads=2)
