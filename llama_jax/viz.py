@@ -1,10 +1,12 @@
-"""Pictures of a model and of its runs: attention maps, activation histograms, loss curves, loss by position.
+"""Pictures of a model and of its runs: attention maps, activation histograms, loss curves, loss by position, expert
+load.
 
     python -m llama_jax.viz attention --checkpoint DIR --prompt TEXT --out DIR [--layers 0,3] [--chat]
     python -m llama_jax.viz activations --checkpoint DIR [DIR ...] --prompt TEXT --out DIR [--every K]
         [--init [CHANGES ...]]
     python -m llama_jax.viz curves RUN_DIR [RUN_DIR ...] --out curves.png [--metrics loss,val_loss] [--x step|tokens]
     python -m llama_jax.viz positions EVAL_JSON [EVAL_JSON ...] --out positions.png [--smooth N] [--mark T]
+    python -m llama_jax.viz experts RUN_DIR [RUN_DIR ...] --out experts.png
 
 Any checkpoint directory works (a training workdir, a ``convert --from_hf`` output, an SFT or LoRA workdir). The
 attention probabilities and activations come from the inspection forward (``analysis/inspection.py``); the pictures
@@ -16,7 +18,14 @@ from __future__ import annotations
 import sys
 
 from llama_jax import cli
-from llama_jax.analysis.figures import curves_figure, positions_figure, save, write_activations, write_attention
+from llama_jax.analysis.figures import (
+  curves_figure,
+  experts_figure,
+  positions_figure,
+  save,
+  write_activations,
+  write_attention,
+)
 from llama_jax.core.errors import run_or_exit
 
 
@@ -62,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
   positions_cmd.add_argument("--out", required=True, help="the PNG to write")
   positions_cmd.add_argument("--smooth", type=int, default=1, help="average over this many neighbouring positions")
   positions_cmd.add_argument("--mark", type=int, default=0, help="draw a vertical line at this position")
+  experts_cmd = commands.add_parser(
+    "experts", help="a mixture's expert load per layer over training", prog="python -m llama_jax.viz experts"
+  )
+  experts_cmd.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  experts_cmd.add_argument("--out", required=True, help="the PNG to write")
   args = parser.parse_args(argv)
 
   if args.command == "attention":
@@ -74,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = [m for m in args.metrics.split(",") if m]
     fig = run_or_exit(curves_figure, args.run_dirs, metrics, args.x)
     written = [save(fig, args.out)]
+  elif args.command == "experts":
+    written = [save(run_or_exit(experts_figure, args.run_dirs), args.out)]
   else:
     written = [save(run_or_exit(positions_figure, args.eval_files, args.smooth, args.mark), args.out)]
   for path in written:

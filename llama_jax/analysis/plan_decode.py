@@ -45,7 +45,7 @@ from llama_jax.core.run_config import RunConfig, run_config_from
 from llama_jax.inference import placement, sampler
 from llama_jax.inference.sampling import SamplingConfig
 from llama_jax.model import sharding
-from llama_jax.model.llama import KVCache, Llama
+from llama_jax.model.llama import EXPERT_AXES, KVCache, Llama
 
 # LLaMA's eos and pad ids: their values do not change the compiled program (one stop id, a constant pad).
 EOS_ID, PAD_ID = 2, 0
@@ -90,6 +90,7 @@ class DecodePlan:
   prefill_len: int  # prompt bucket of the compiled prefill (0: not compiled)
   prefill_chunk: int  # tokens per model call of the prefill (0: the whole bucket in one)
   weight_bytes: int  # from the shardings
+  expert_weight_bytes: int  # of weight_bytes: a mixture's expert weights (0 for a dense model)
   cache_bytes: int  # from the shardings: k, v of every layer, slot positions, index
   state_bytes: int  # the whole decode state: cache + per-row tokens, positions, flags, rng
   decode: ProgramMemory
@@ -345,6 +346,7 @@ def plan(
     prefill_len=prefill_len,
     prefill_chunk=prefill_chunk,
     weight_bytes=device_bytes(params),
+    expert_weight_bytes=device_bytes(expert_weights(params) if cfg.moe.enabled else []),
     cache_bytes=device_bytes(state.cache),
     state_bytes=device_bytes(state),
     **memory,
@@ -353,6 +355,15 @@ def plan(
     compile_seconds=compile_seconds,
     seconds=time.perf_counter() - start,
   )
+
+
+def expert_weights(params: Any) -> list:
+  """The expert weights (every layer's mlp w_gate, w_up, w_down) among a mixture of experts' params."""
+  return [
+    leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    if sharding.path_name(path).split("/")[-2:] in (["mlp", name] for name in EXPERT_AXES)
+  ]
 
 
 def report(p: DecodePlan, hbm_gib: float | None = None) -> str:
@@ -377,6 +388,8 @@ def report(p: DecodePlan, hbm_gib: float | None = None) -> str:
     lines.append(f"  {label:<26} {n / scale:9.3f}" + (f"   ({note})" if note else ""))
 
   row("weights", p.weight_bytes, "from the shardings")
+  if p.expert_weight_bytes:
+    row("  of which experts", p.expert_weight_bytes, "split by the mesh's expert and tensor axes")
   per_row = format_bytes(p.cache_bytes / max(p.rows // p.mesh["data"], 1))
   row("KV cache", p.cache_bytes, f"from the shardings; {per_row} per row on this device")
   for name, program in (("decode loop", p.decode), ("prefill", p.prefill)):

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.analysis.tpu_compile_cases import CASES, MODEL
+from llama_jax.core.model_config import ModelConfig
+from tests.analysis.tpu_compile_cases import CASES, MODEL, MOE_CASES, MOE_MODEL
 from tests.conftest import ROOT
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -99,6 +100,32 @@ def test_tensor_parallel_sums_activations_and_gathers_no_weights(plans):
 @pytest.mark.parametrize("case", CASES)
 def test_a_tpu_chip_holds_the_compiled_step(plans, case):
   assert 0 < plans[case]["peak_bytes"] < 16 * 2**30  # a v5e chip's HBM, the smaller of the two
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_step_compiles_with_grouped_matmul_kernels_and_experts_split_over_the_expert_axis(plans, case):
+  """The mixture of experts on v5p-8: the TPU compiler turns the grouped matmuls (ragged_dot) into its ragged-dot
+  kernels; expert weights are 1/(expert·fsdp) per chip and the rest 1/fsdp (within 5%); with an expert axis the
+  tokens travel by all-to-all, at least the send buffers' bytes (forward and backward, per layer); without one, the
+  tokens stay on their chip (no all-reduce of the batch's tokens: under 5% of the weights' bytes)."""
+  plan = plans[case]
+  mesh = plan["mesh"]
+  cfg = ModelConfig(**MOE_MODEL)
+  assert plan["compiler"] == "TPU compiler" and plan["attention"] == "splash"
+  grouped = sum(n for kernel, n in plan["kernels"].items() if kernel.startswith("ragged-dot"))
+  assert grouped >= 3 * cfg.n_layers, plan["kernels"]  # gate, up and down of each layer, forward alone
+  expert_bytes = cfg.n_layers * cfg.moe.num_experts * 3 * cfg.dim * cfg.hidden_dim * 4
+  expected = expert_bytes / (mesh["expert"] * mesh["fsdp"]) + (plan["n_params"] * 4 - expert_bytes) / mesh["fsdp"]
+  assert abs(plan["params_bytes"] - expected) <= 0.05 * expected, (plan["params_bytes"], expected)
+  all_to_all = plan["collectives"]["all-to-all"]
+  if mesh["expert"] > 1:
+    tokens_per_chip = 8 * 256 // (mesh["expert"] * mesh["fsdp"] * mesh["data"])
+    assignments = tokens_per_chip * cfg.moe.top_k
+    send_buffer = mesh["expert"] * assignments * cfg.dim * 2  # P destinations × C = A slots × D, bfloat16
+    assert all_to_all["bytes"] >= 4 * cfg.n_layers * send_buffer, all_to_all
+  else:
+    assert traffic(plan, "all-reduce") < 0.05, plan["collectives"]
+  assert 0 < plan["peak_bytes"] < 95 * 2**30  # a v5p chip's HBM
 
 
 def small_decode_plan(out, *flags: str) -> dict:

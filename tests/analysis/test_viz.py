@@ -199,6 +199,30 @@ def test_curves_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message
   assert not (tmp_path / "c.png").exists()
 
 
+def test_experts_figure_has_a_panel_per_layer_and_a_line_per_expert(tmp_path, capsys):
+  """moe_load/<layer>/<expert> of the train lines (what metrics.py writes for a mixture) → one panel per layer, one
+  line per expert with its shares in step order; a dense run is refused in one line."""
+  run = tmp_path / "moe"
+  run.mkdir()
+  lines = [
+    {"step": step, "loss": 3.0, **{f"moe_load/{i}/{e}": (e + 1 + i + step) / 100 for i in range(2) for e in range(3)}}
+    for step in (5, 10, 15)
+  ]
+  (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines + [{"step": 15, "val_loss": 3}]))
+  fig = figures.experts_figure([str(run)])
+  assert len(fig.axes) == 2
+  experts = [line for line in fig.axes[1].get_lines() if len(line.get_xdata()) == 3]
+  assert len(experts) == 3 and list(experts[2].get_xdata()) == [5, 10, 15]
+  np.testing.assert_allclose(experts[2].get_ydata(), [(3 + 1 + s) / 100 for s in (5, 10, 15)])
+  out = tmp_path / "experts.png"
+  assert viz_lib.main(["experts", str(run), "--out", str(out)]) == 0 and png_shape(str(out))[0] > 0
+  dense = fake_run(tmp_path / "dense", [3, 2], [2.5])
+  with pytest.raises(SystemExit) as exit_info:
+    viz_lib.main(["experts", dense, "--out", str(tmp_path / "x.png")])
+  err = capsys.readouterr().err.strip()
+  assert exit_info.value.code == 2 and "logged no expert loads" in err and err.count("\n") == 0
+
+
 def test_positions_figure_has_one_line_per_evaluation(tmp_path):
   paths = []
   for name, slope in (("theta10k", 0.01), ("theta500k", 0.0)):

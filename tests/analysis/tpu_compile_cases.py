@@ -1,6 +1,7 @@
 """``python -m tests.analysis.tpu_compile_cases OUT.json``: the train step of a small GQA model compiled by the real TPU
 compiler for v4-8 and v5e-8 slices (abstract devices: no TPU needed) under fsdp, tensor and data × fsdp meshes, with
-splash attention; each case's plan (memory, collectives, kernels) goes to OUT.json. One process for every case, so
+splash attention, and of its mixture-of-experts variant on v5p-8 with experts over an expert axis; each case's plan
+(memory, collectives, kernels) goes to OUT.json. One process for every case, so
 libtpu starts once (tests/analysis/test_tpu_compile.py asserts on the file)."""
 
 import json
@@ -40,17 +41,29 @@ CASES = {
   "v5e-8/data_fsdp": ("v5e-8", dict(data=2, fsdp=4, tensor=1)),
 }
 
+# The same model with 8 SwiGLU experts (top-2) in every block, on a v5p-8 slice (4 chips).
+MOE_MODEL = dict(MODEL, moe=dict(num_experts=8, top_k=2))
+MOE_CASES = {
+  "v5p-8/moe_expert4": ("v5p-8", dict(data=1, fsdp=1, expert=4, tensor=1)),
+  "v5p-8/moe_expert2_fsdp2": ("v5p-8", dict(data=1, fsdp=2, expert=2, tensor=1)),
+  "v5p-8/moe_fsdp4": ("v5p-8", dict(data=1, fsdp=4, expert=1, tensor=1)),
+}
 
-def run_config(mesh: dict) -> run_config_lib.RunConfig:
-  return run_config_lib.RunConfig().replace(model=MODEL, mesh=mesh, train=dict(batch_size=8, seq_len=256))
+
+def run_config(mesh: dict, model: dict = MODEL) -> run_config_lib.RunConfig:
+  return run_config_lib.RunConfig().replace(model=model, mesh=mesh, train=dict(batch_size=8, seq_len=256))
 
 
 def main(out: str) -> None:
   results = {}
   devices = {}
-  for case, (topology, mesh) in CASES.items():
+  cases = {
+    **{case: (*spec, MODEL) for case, spec in CASES.items()},
+    **{c: (*s, MOE_MODEL) for c, s in MOE_CASES.items()},
+  }
+  for case, (topology, mesh, model) in cases.items():
     devices.setdefault(topology, tpu.tpu_devices(topology))
-    plan = plan_lib.plan(run_config(mesh), devices[topology])
+    plan = plan_lib.plan(run_config(mesh, model), devices[topology])
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
   with open(out, "w") as f:
     json.dump(results, f, indent=2)
