@@ -10,9 +10,10 @@ The experts run one of three ways (``MoEConfig.compute``), all equal up to float
   tiled product: each group padded to whole tiles of Y rows, one [Y, D]·[D, F] product per tile in a scan. XLA:CPU
   computes ragged_dot as every group on every row (B·T = 4,096, top-2 of 8, D=128, F=352: forward 45 ms, the same as
   all eight experts on every token; tiles: 15 ms; forward + backward 138 vs 54 ms).
-- capacity: each expert takes at most U = capacity_factor · A / E assignments (earlier tokens first), computed as
-  one [E, U, D] batched einsum; the rest are dropped (their weight is lost, the residual carries the token) and
-  their fraction reported. Static shapes throughout: what MaxText calls its dropping path.
+- capacity: each expert takes at most U = capacity_factor · A / E of a device's A assignments (earlier tokens
+  first), computed as one batched einsum over [E, U, D]; the rest are dropped (their weight is lost, the residual
+  carries the token) and their fraction reported. Static shapes throughout: GShard's expert capacity, what MaxText
+  calls its dropping path.
 - dense: every expert on every token, the outputs weighted by the routing weights (0 for experts not chosen).
 """
 
@@ -183,43 +184,33 @@ def expert_parallel(
   w_down: Array,
   *,
   grouped: str,
-  capacity_factor: float | None,
   axis: str = "expert",
-) -> tuple[Array, Array]:
-  """(output [M, D], fraction of assignments dropped) with the experts sharded over mesh axis `axis` (size P, E/P
-  experts per device): called per device (inside shard_map), on this device's tokens and its own experts.
+) -> Array:
+  """The dropless output [M, D] with the experts sharded over mesh axis `axis` (size P, E/P experts per device):
+  called per device (inside shard_map), on this device's tokens and its own experts.
 
-  Each assignment goes to the device holding its expert: rows packed per destination into a send buffer [P, C, D]
-  (C slots per destination), one all_to_all there and one back. C is every assignment of the device (A; nothing can
-  be dropped, the buffer P times the rows sent) or, with `capacity_factor`, ceil(capacity_factor · A / P), the later
-  assignments past it dropped and counted. A device runs what it receives grouped by its local experts. The dense
+  Each assignment goes to the device holding its expert: rows packed per destination into a send buffer [P, A, D]
+  (a slot for every assignment of the device per destination, since all of them may go to one: nothing is dropped,
+  and the buffer is P times the rows sent), one all_to_all there and one back; a device runs what it receives
+  grouped by its local experts. (`capacity` with an axis sends at most its expert capacity instead.) The dense
   all_to_all with fixed slots runs everywhere; XLA:CPU has no ragged all-to-all ("UNIMPLEMENTED: HLO opcode
   ragged-all-to-all"), so the 8-device equality tests could not run one."""
   num_tokens, top_k = experts_MJ.shape
-  assignments = num_tokens * top_k
+  slots = num_tokens * top_k
   local_experts = w_gate.shape[0]
   devices = jax.lax.axis_size(axis)
-  slots = assignments if capacity_factor is None else max(1, math.ceil(capacity_factor * assignments / devices))
   experts_A = experts_MJ.reshape(-1)
   destination_A = experts_A // local_experts
-  rank_A = rank_in_group(destination_A, devices)
-  kept_A = rank_A < slots
-  slot_A = jnp.where(kept_A, destination_A * slots + rank_A, devices * slots)  # past the buffer: dropped
-  send_x = (
-    jnp.zeros((devices * slots, x_MD.shape[-1]), x_MD.dtype)
-    .at[slot_A]
-    .set(jnp.repeat(x_MD, top_k, axis=0), mode="drop")
-  )
-  send_expert = (
-    jnp.full((devices * slots,), local_experts, jnp.int32).at[slot_A].set(experts_A % local_experts, mode="drop")
-  )  # an empty slot keeps the id of no local expert
+  slot_A = destination_A * slots + rank_in_group(destination_A, devices)
+  send_x = jnp.zeros((devices * slots, x_MD.shape[-1]), x_MD.dtype).at[slot_A].set(jnp.repeat(x_MD, top_k, axis=0))
+  # An empty slot keeps the id of no local expert.
+  send_expert = jnp.full((devices * slots,), local_experts, jnp.int32).at[slot_A].set(experts_A % local_experts)
 
   def exchange(rows):
     return jax.lax.all_to_all(rows.reshape(devices, slots, *rows.shape[1:]), axis, 0, 0, tiled=True).reshape(rows.shape)
 
-  received_PC_D = grouped_swiglu(exchange(send_x), exchange(send_expert), w_gate, w_up, w_down, grouped)
-  out_AD = jnp.take(exchange(received_PC_D), slot_A, axis=0, mode="fill", fill_value=0)
-  return combine(out_AD, weights_MJ * kept_A.reshape(num_tokens, top_k)), jnp.mean(1.0 - kept_A.astype(jnp.float32))
+  received_PA_D = grouped_swiglu(exchange(send_x), exchange(send_expert), w_gate, w_up, w_down, grouped)
+  return combine(jnp.take(exchange(received_PA_D), slot_A, axis=0), weights_MJ)
 
 
 EXPERT_AXIS = "expert"
@@ -251,10 +242,12 @@ def sharded_experts(
   grouped: str,
   capacity_factor: float | None,
 ) -> tuple[Array, Array]:
-  """`expert_parallel` on every device of the active mesh: a shard_map manual over the batch's mesh axes and the
-  expert axis (tokens stay where they are; a device's expert weights arrive whole but for the `tensor` split, which
-  the compiler keeps). `experts` are (w_gate, w_up, w_down) with their logical axes `expert_axes`; the mesh mapping
-  comes from the active logical axis rules, whose "expert" must be the expert mesh axis."""
+  """(output [M, D], fraction dropped) of the experts run on every device of the active mesh: `expert_parallel`
+  (dropless), or `capacity` with `capacity_factor`, over the expert axis, inside a shard_map manual over the batch's
+  mesh axes and the expert axis (tokens stay where they are; a device's expert weights arrive whole but for the
+  `tensor` split, which the compiler keeps). `experts` are (w_gate, w_up, w_down) with their logical axes
+  `expert_axes`; the mesh mapping comes from the active logical axis rules, whose "expert" must be the expert mesh
+  axis."""
   rules = flax_spmd.get_logical_axis_rules()
   batch_axes = _mesh_axes(sharding.logical_to_spec(("activation_batch",), rules)[0])
   manual = set(batch_axes) | {EXPERT_AXIS}
@@ -277,9 +270,10 @@ def sharded_experts(
         if entry:
           w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
       whole.append(w)
-    y_MD, dropped = expert_parallel(
-      x_MD, weights_MJ, experts_MJ, *whole, grouped=grouped, capacity_factor=capacity_factor
-    )
+    if capacity_factor is None:
+      y_MD, dropped = expert_parallel(x_MD, weights_MJ, experts_MJ, *whole, grouped=grouped), jnp.zeros(())
+    else:
+      y_MD, dropped = capacity(x_MD, weights_MJ, experts_MJ, *whole, capacity_factor, axis=EXPERT_AXIS)
     return y_MD, jax.lax.pmean(dropped, tuple(sorted(manual)))
 
   return jax.shard_map(
@@ -300,27 +294,35 @@ def capacity(
   w_up: Array,
   w_down: Array,
   capacity_factor: float,
+  axis: str | None = None,
 ) -> tuple[Array, Array]:
   """(output [M, D], fraction of assignments dropped): each expert computes at most U = ceil(capacity_factor · A / E)
-  of its assignments, the earliest tokens first, in one batched einsum over [E, U, D]; a dropped assignment adds
-  nothing (its token keeps the residual only, as in Switch and GShard)."""
+  of this device's A assignments, the earliest tokens first (GShard's expert capacity per group), in one batched
+  einsum per expert; a dropped assignment adds nothing (its token keeps the residual only, as in Switch and GShard).
+
+  With `axis` (inside shard_map, the experts split over that mesh axis, E/P local): the buffer [E, U, D] is in
+  global expert order, so one all_to_all hands each device its experts' slots from every device ([P·U] rows per
+  local expert), and a second brings the outputs back. No device sends more than its own U per expert."""
   num_tokens, top_k = experts_MJ.shape
-  num_experts = w_gate.shape[0]
+  local_experts, dim = w_gate.shape[0], x_MD.shape[-1]
+  devices = 1 if axis is None else jax.lax.axis_size(axis)
+  num_experts = local_experts * devices
   slots = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
   experts_A = experts_MJ.reshape(-1)
   rank_A = rank_in_group(experts_A, num_experts)
   kept_A = rank_A < slots
-  # Dropped assignments are sent to a spare slot U of their expert, which is cut off before the product.
-  slot_A = jnp.where(kept_A, rank_A, slots)
-  token_A = jnp.arange(num_tokens * top_k) // top_k
-  x_EUD = jnp.zeros((num_experts, slots + 1, x_MD.shape[-1]), x_MD.dtype).at[experts_A, slot_A].set(x_MD[token_A])
-  out_EUD = swiglu_experts(
-    x_EUD[:, :slots], w_gate, w_up, w_down, lambda x, w: jnp.einsum("eui,eio->euo", x, w.astype(x.dtype))
-  )
-  out_AD = jnp.pad(out_EUD, ((0, 0), (0, 1), (0, 0)))[experts_A, slot_A]
-  kept_weights_MJ = (weights_MJ * kept_A.reshape(num_tokens, top_k)).astype(out_AD.dtype)
-  y_MD = jnp.einsum("mjd,mj->md", out_AD.reshape(num_tokens, top_k, -1), kept_weights_MJ)
-  return y_MD, jnp.mean(1.0 - kept_A.astype(jnp.float32))
+  slot_A = jnp.where(kept_A, experts_A * slots + rank_A, num_experts * slots)  # past the buffer: dropped
+  x_EUD = jnp.zeros((num_experts * slots, dim), x_MD.dtype).at[slot_A].set(jnp.repeat(x_MD, top_k, axis=0), mode="drop")
+  x_PLUD = x_EUD.reshape(devices, local_experts, slots, dim)  # destination device, its local expert, slot
+  if axis is not None:
+    x_PLUD = jax.lax.all_to_all(x_PLUD, axis, 0, 0, tiled=True)  # now: source device, local expert, slot
+  x_LUD = x_PLUD.swapaxes(0, 1).reshape(local_experts, devices * slots, dim)
+  out_LUD = swiglu_experts(x_LUD, w_gate, w_up, w_down, lambda x, w: jnp.einsum("eui,eio->euo", x, w.astype(x.dtype)))
+  out_PLUD = out_LUD.reshape(local_experts, devices, slots, dim).swapaxes(0, 1)
+  if axis is not None:
+    out_PLUD = jax.lax.all_to_all(out_PLUD, axis, 0, 0, tiled=True)  # back in this device's [E, U] order
+  out_AD = jnp.take(out_PLUD.reshape(num_experts * slots, dim), slot_A, axis=0, mode="fill", fill_value=0)
+  return combine(out_AD, weights_MJ * kept_A.reshape(num_tokens, top_k)), jnp.mean(1.0 - kept_A.astype(jnp.float32))
 
 
 def dense(x_MD: Array, weights_MJ: Array, experts_MJ: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:

@@ -25,7 +25,7 @@ def test_plan_of_the_tiny_config_on_8_devices(tmp_path):
   out = tmp_path / "plan.json"
   result = run_plan("--devices", "8", "--config.mesh.fsdp=8", "--hbm_gib", "0.03", "--json", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "mesh      data 1 × fsdp 8 × tensor 1 = 8 devices" in result.stdout
+  assert "mesh      data 1 × fsdp 8 × expert 1 × tensor 1 = 8 devices" in result.stdout
   for line in (
     "TPU v4             32 GiB: fits",
     "TPU v5e",
@@ -110,7 +110,7 @@ def test_decode_plan_of_the_tiny_config_on_8_devices(tmp_path):
   out = tmp_path / "plan.json"
   result = run_plan(*DECODE_ARGS, "--hbm_gib", "0.0015", "--json", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "mesh      data 2 × fsdp 1 × tensor 4 = 8 devices (cpu)" in result.stdout
+  assert "mesh      data 2 × fsdp 1 × expert 1 × tensor 4 = 8 devices (cpu)" in result.stdout
   plan = json.loads(out.read_text())
   assert plan["weight_bytes"] == (TINY_PROJECTIONS // 4 + TINY_NORMS) * 4
   assert plan["cache_bytes"] == decode_cache_bytes(8, 64)
@@ -250,7 +250,7 @@ def test_decode_plan_largest_batch_per_program_and_when_more_rows_did_not_compil
 
   # decode: 10 GiB + 1 GiB per row; prefill: 4 GiB + 2 GiB per row (the larger from 6 rows on).
   plan = DecodePlan(
-    mesh={"data": 2, "fsdp": 1, "tensor": 1},
+    mesh={"data": 2, "fsdp": 1, "expert": 1, "tensor": 1},
     devices=2,
     device_kind="cpu",
     compiler="XLA:CPU estimate",
@@ -266,6 +266,7 @@ def test_decode_plan_largest_batch_per_program_and_when_more_rows_did_not_compil
     prefill_len=16,
     prefill_chunk=0,
     weight_bytes=0,
+    expert_weight_bytes=0,
     cache_bytes=0,
     state_bytes=0,
     decode=program(4, 14),

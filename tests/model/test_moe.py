@@ -16,13 +16,14 @@ from flax import nnx
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core.checks import ConfigError
 from llama_jax.core.model_config import ModelConfig, MoEConfig
-from llama_jax.core.run_config import load_run_config, run_config_from
+from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES, load_run_config, run_config_from
 from llama_jax.inference.engine import Collector, Engine, Request
 from llama_jax.inference.sampler import Sampler
 from llama_jax.interop import hf as hf_lib
 from llama_jax.interop.output import ConvertError
 from llama_jax.model import loss as loss_lib
 from llama_jax.model import moe as moe_lib
+from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
 from llama_jax.training import flops
 from tests import hf_utils
@@ -287,3 +288,24 @@ def test_model_flops_count_the_experts_a_token_runs():
   router = 6 * dense.n_layers * dense.dim * 8
   assert flops.flops_per_token(top2, 64) - flops.flops_per_token(dense, 64) == per_expert + router
   assert top2.num_active_params() == dense.num_params() + dense.n_layers * (3 * dense.dim * dense.hidden_dim + 64 * 8)
+
+
+def test_capacity_on_a_mesh_drops_as_without_one():
+  """The trainer always runs under a mesh, where the experts run per device (shard_map): on one device that must be
+  the same capacity path, dropping the same assignments, as the model called with no mesh."""
+  cfg = moe_config(moe=dict(num_experts=4, top_k=2, compute="capacity", capacity_factor=0.5))
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, (2, 32)))
+  batch = dict(inputs=tokens, targets=tokens)
+
+  def run():
+    losses, _, terms = jax.jit(lambda p: loss_lib.losses_and_router(p, graphdef, batch))(params)
+    return float(jnp.mean(losses)), float(terms["moe_dropped"])
+
+  alone = run()
+  mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  with sharding.activate(mesh, DEFAULT_LOGICAL_AXIS_RULES):
+    on_mesh = run()
+  assert alone[1] > 0.1  # half the fair share per expert: many assignments dropped
+  assert on_mesh[1] == alone[1] and on_mesh[0] == pytest.approx(alone[0], rel=TOL)
