@@ -114,7 +114,7 @@ def test_checkpoint_saved_under_fsdp8_continues_identically_under_another_mesh(s
 
 
 def test_bad_meshes_fail_before_compilation_naming_the_numbers():
-  with pytest.raises(sharding.ShardingError, match=r"2×2×4 = 16 devices, but 8 devices are available"):
+  with pytest.raises(sharding.ShardingError, match=r"2×2×1×4 = 16 devices, but 8 devices are available"):
     make_trainer(dict(data=2, fsdp=2, tensor=4))
   with pytest.raises(
     sharding.ShardingError,
@@ -127,7 +127,7 @@ def test_bad_meshes_fail_before_compilation_naming_the_numbers():
   with pytest.raises(
     sharding.ShardingError,
     match=r"batch of 12 sequences .* not divisible by the 8 batch shards "
-    r"\(mesh data=4×fsdp=2\)",
+    r"\(mesh data=4×fsdp=2×expert=1\)",
   ):
     Trainer(model_config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh))
   with pytest.raises(sharding.ShardingError, match="mesh.dcn_data is 2 but the devices form 1 processes"):
