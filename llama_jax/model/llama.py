@@ -315,7 +315,7 @@ class MoE(nnx.Module):
       grouped = "tiles" if sharding.target_platform() == "cpu" else "ragged_dot"
     if cfg.compute == "dense" and moe_lib.expert_devices() > 1:
       raise sharding.ShardingError("model.moe.compute='dense' (the reference) does not run with mesh.expert > 1")
-    if cfg.compute != "dense" and moe_lib.mesh_active():
+    if cfg.compute != "dense" and sharding.active_rules() is not None:
       # Per device (shard_map): each device routes its own tokens, to its own experts or, with mesh.expert > 1,
       # to the experts' devices by all-to-all. Left to the compiler, sorting the batch-sharded tokens gathered every
       # token everywhere (TPU compiler, v5p-8, fsdp=4, a 2-layer model: 116 MB of all-reduce per step, 1.1 MB so).

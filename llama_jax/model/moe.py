@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec
 
 from llama_jax.core.model_config import MoEConfig
@@ -216,12 +215,6 @@ def expert_parallel(
 EXPERT_AXIS = "expert"
 
 
-def mesh_active() -> bool:
-  """A mesh and logical axis rules are active (the trainer, the sampler, evaluation): the experts then run per
-  device through `sharded_experts`."""
-  return not jax.sharding.get_abstract_mesh().empty and bool(flax_spmd.get_logical_axis_rules())
-
-
 def expert_devices() -> int:
   """Size of the active mesh's expert axis (1 with no mesh, or no such axis)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -248,7 +241,7 @@ def sharded_experts(
   `tensor` split, which the compiler keeps). `experts` are (w_gate, w_up, w_down) with their logical axes
   `expert_axes`; the mesh mapping comes from the active logical axis rules, whose "expert" must be the expert mesh
   axis."""
-  rules = flax_spmd.get_logical_axis_rules()
+  rules = sharding.active_rules()
   batch_axes = _mesh_axes(sharding.logical_to_spec(("activation_batch",), rules)[0])
   manual = set(batch_axes) | {EXPERT_AXIS}
   weight_specs = []

@@ -126,18 +126,25 @@ def target_platform() -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
+def active_rules() -> Rules | None:
+  """The logical axis rules when a mesh and rules are active (see `activate`), else None: what is traced then runs
+  on that mesh (the trainer, the sampler, evaluation)."""
+  rules = flax_spmd.get_logical_axis_rules()
+  return rules if rules and not jax.sharding.get_abstract_mesh().empty else None
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """with_sharding_constraint through logical names when a mesh and rules are active (see `activate`)."""
-  rules = flax_spmd.get_logical_axis_rules()
-  if not rules or jax.sharding.get_abstract_mesh().empty:
+  rules = active_rules()
+  if rules is None:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, rules))
 
 
 def active_specs(named_axes: Mapping[str, Sequence[str | None]]) -> dict[str, PartitionSpec] | None:
   """PartitionSpecs of logical axes under the active mesh and rules, or None when none are active."""
-  rules = flax_spmd.get_logical_axis_rules()
-  if not rules or jax.sharding.get_abstract_mesh().empty:
+  rules = active_rules()
+  if rules is None:
     return None
   return {key: logical_to_spec(axes, rules) for key, axes in named_axes.items()}
 
