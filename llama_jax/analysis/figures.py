@@ -243,40 +243,41 @@ def curves_figure(run_dirs: Sequence[str], metrics: Sequence[str] = ("loss", "va
 _LOAD_KEY = re.compile(r"moe_load/(\d+)/(\d+)")
 
 
-def expert_loads(run_dir: str) -> tuple[list[int], np.ndarray]:
-  """(steps, loads [steps, L, E]): each logged step's share of assignments per layer and expert (the train lines'
-  moe_load/<layer>/<expert> of a mixture-of-experts run)."""
-  steps, rows = [], []
+def expert_loads(run_dir: str) -> tuple[list[int], list[int], np.ndarray]:
+  """(steps, layers, loads [steps, len(layers), E]): each logged step's share of assignments per MoE block and expert
+  (the train lines' moe_load/<layer>/<expert> of a mixture-of-experts run; `layers` are the blocks' indices, every
+  block's or, with moe.every, every k-th block's)."""
+  steps, rows, layers = [], [], []
   for record in read_metrics(run_dir):
     cells = {tuple(map(int, m.groups())): v for k, v in record.items() if (m := _LOAD_KEY.fullmatch(k))}
     if cells:
-      shape = tuple(max(index) + 1 for index in zip(*cells))
-      loads = np.zeros(shape)
-      for index, value in cells.items():
-        loads[index] = value
+      layers = sorted({layer for layer, _ in cells})
+      loads = np.zeros((len(layers), max(expert for _, expert in cells) + 1))
+      for (layer, expert), value in cells.items():
+        loads[layers.index(layer), expert] = value
       steps.append(record["step"])
       rows.append(loads)
   if not rows:
     raise VizError(f"run {run_dir!r} logged no expert loads (moe_load/<layer>/<expert>): not a mixture of experts")
-  return steps, np.stack(rows)
+  return steps, layers, np.stack(rows)
 
 
 def experts_figure(run_dirs: Sequence[str]):
   """Expert load over training: one row of panels per run, one panel per layer, one line per expert (its share of
   the layer's assignments; the dashed line is the fair share 1/E). An expert left idle sits on the floor."""
   runs = [(paths.name(run_dir), *expert_loads(run_dir)) for run_dir in run_dirs]
-  n_layers = max(loads.shape[1] for _, _, loads in runs)
-  fig = _new_figure(2.6 * n_layers + 0.6, 2.3 * len(runs) + 0.4, layout="constrained")
-  axes = fig.subplots(len(runs), n_layers, squeeze=False, sharey=True)
-  for row, (name, steps, loads) in enumerate(runs):
+  n_panels = max(len(layers) for _, _, layers, _ in runs)
+  fig = _new_figure(2.6 * n_panels + 0.6, 2.3 * len(runs) + 0.4, layout="constrained")
+  axes = fig.subplots(len(runs), n_panels, squeeze=False, sharey=True)
+  for row, (name, steps, layers, loads) in enumerate(runs):
     n_experts = loads.shape[2]
-    for layer in range(n_layers):
-      ax = axes[row][layer]
-      if layer < loads.shape[1]:
+    for panel in range(n_panels):
+      ax = axes[row][panel]
+      if panel < len(layers):
         for expert in range(n_experts):
-          ax.plot(steps, loads[:, layer, expert], linewidth=0.9)
+          ax.plot(steps, loads[:, panel, expert], linewidth=0.9)
         ax.axhline(1 / n_experts, color="black", linestyle="--", linewidth=0.8)
-      ax.set_title(f"{name}: layer {layer}", fontsize=8)
+        ax.set_title(f"{name}: layer {layers[panel]}", fontsize=8)
       ax.grid(alpha=0.3)
       if row == len(runs) - 1:
         ax.set_xlabel("step", fontsize=8)

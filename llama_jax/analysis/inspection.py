@@ -28,7 +28,7 @@ from llama_jax.data import chat_template
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.model import attention as attention_lib
 from llama_jax.model import sharding
-from llama_jax.model.llama import Block, Llama
+from llama_jax.model.llama import Block, Llama, stacked_unit
 
 
 class VizError(LlamaJaxError, ValueError):
@@ -60,7 +60,9 @@ def blocks_of(model: Llama) -> list[Block]:
   if not model.stacked:
     return list(model.layers)
   graphdef, layer_state = nnx.split(model.layers)
-  return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state)) for i in range(model.cfg.n_layers)]
+  unit, n_units = stacked_unit(model.cfg)
+  units = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state)) for i in range(n_units)]
+  return units if unit is Block else [block for group in units for block in group.blocks]
 
 
 def attention_probabilities(q_BTNH: jax.Array, k_BSKH: jax.Array) -> jax.Array:

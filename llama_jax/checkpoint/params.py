@@ -50,6 +50,7 @@ SHAPE_FIELDS = (
   "norm",
   "norm_position",
   "moe.num_experts",
+  "moe.every",
 )
 # Fields that change the function the parameters compute but not their shapes: a fine-tune whose config differs from
 # its init_from in one of them is warned about, not refused (raising rope_theta to extend the context is a known
@@ -320,7 +321,9 @@ class MergedReader(_LeafByLeaf):
     name = path[-1]
     if path[0] != "layers" or name not in self.lora.targets:
       return value
-    node = self.adapters["layers"][path[1]]
+    node = self.adapters
+    for key in path[:-1]:  # ("layers", "attention"), or ("layers", "blocks", j, "attention") in groups of blocks
+      node = node[key]
     a, b = node[name + lora.A_SUFFIX], node[name + lora.B_SUFFIX]
     return lora.merged_weight(name, value, a, b, self.lora.scale)
 

@@ -27,13 +27,18 @@ MOE_BALANCE_LOSSES = ("per_layer", "transformers")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """A mixture of experts in place of every block's SwiGLU MLP (``model.moe``; num_experts 0: a dense model).
+  """A mixture of experts in place of the SwiGLU MLP of every block, or of every `every`-th block (``model.moe``;
+  num_experts 0: a dense model).
 
   Mixtral's choices: a linear router d_model → num_experts, softmax over the experts, the top_k kept and their
   weights renormalised to sum to 1 (`normalize_top_k`), each expert a SwiGLU MLP of the model's MLP width."""
 
   num_experts: int = 0
   top_k: int = 2
+  # MoE in blocks every-1, 2·every-1, ... (the last of each group of `every`; the rest keep the dense MLP): Switch's
+  # every other layer is every=2, and it is the rule of Llama 4's interleave_moe_layer_step and Qwen-MoE's
+  # decoder_sparse_step. n_layers must be a multiple, so the stacked model scans identical groups of blocks.
+  every: int = 1
   normalize_top_k: bool = True
   # dropless: tokens sorted by expert, grouped matmuls, nothing dropped | capacity: at most capacity_factor·fair share
   # of the assignments per expert (equal-size einsums; the rest dropped and counted) | dense: every expert on every
@@ -55,7 +60,7 @@ class MoEConfig:
   balance_loss: str = "per_layer"
 
   def __post_init__(self):
-    for name in ("num_experts", "top_k", "normalize_top_k", "compute", "grouped", "balance_loss"):
+    for name in ("num_experts", "top_k", "every", "normalize_top_k", "compute", "grouped", "balance_loss"):
       check_type(self, "model.moe", name)
     for name in ("capacity_factor", "aux_loss_weight", "z_loss_weight"):
       value = getattr(self, name)
@@ -64,6 +69,8 @@ class MoEConfig:
       object.__setattr__(self, name, float(value))
     if self.num_experts < 0:
       raise ConfigError(f"model.moe.num_experts must be ≥ 0 (0: a dense MLP), got {self.num_experts}")
+    if self.every < 1:
+      raise ConfigError(f"model.moe.every must be ≥ 1 (1: every block; k: every k-th block), got {self.every}")
     if self.num_experts and not 1 <= self.top_k <= self.num_experts:
       raise ConfigError(f"model.moe.top_k must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
     check_choice("model.moe.compute", self.compute, MOE_COMPUTES)
@@ -132,6 +139,11 @@ class ModelConfig:
       raise ConfigError("quantize='int8' is not built for mixture-of-experts models (model.moe.num_experts > 0)")
     if self.n_kv_heads is None:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
+    if self.moe.enabled and isinstance(self.n_layers, int) and self.n_layers % self.moe.every:
+      raise ConfigError(
+        f"model.moe.every={self.moe.every} must divide n_layers={self.n_layers} (the layers are scanned in groups "
+        "of `every` blocks, the last of each a mixture of experts)"
+      )
     for name in ("tie_embeddings", "scan_layers"):
       check_type(self, "", name)
     for name in (
@@ -200,11 +212,19 @@ class ModelConfig:
       hidden = int(self.ffn_dim_multiplier * hidden)
     return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+  def is_moe_layer(self, layer: int) -> bool:
+    """Whether block `layer` (0-based) has a mixture of experts: the last block of each group of `moe.every`."""
+    return self.moe.enabled and (layer + 1) % self.moe.every == 0
+
+  @property
+  def n_moe_layers(self) -> int:
+    return self.n_layers // self.moe.every if self.moe.enabled else 0
+
   def num_active_params(self) -> int:
     """Weights used per token: a mixture of experts runs top_k of its experts' MLPs (the rest, and the embedding
     rows of other tokens, are counted in `num_params` only; the embedding is counted here as in `num_params`)."""
     unused = self.moe.num_experts - self.moe.top_k if self.moe.enabled else 0
-    return self.num_params() - self.n_layers * unused * 3 * self.dim * self.hidden_dim
+    return self.num_params() - self.n_moe_layers * unused * 3 * self.dim * self.hidden_dim
 
   def num_params(self) -> int:
     """Number of weights from the shapes alone (the tests check it against the abstract float model). The same
@@ -214,11 +234,10 @@ class ModelConfig:
     attention = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
     norm = 0 if self.norm == "none" else d  # one scale per norm; post-norm has no final norm
     final_norm = norm if self.norm_position == "pre" else 0
-    experts = max(self.moe.num_experts, 1)
-    router = d * self.moe.num_experts
-    layer = attention + experts * 3 * d * f + router + 2 * norm
+    layer = attention + 3 * d * f + 2 * norm  # a dense block
+    moe_extra = (self.moe.num_experts - 1) * 3 * d * f + d * self.moe.num_experts  # its MLP as experts + router
     head = 0 if self.tie_embeddings else self.vocab_size * d
-    return self.vocab_size * d + self.n_layers * layer + final_norm + head
+    return self.vocab_size * d + self.n_layers * layer + self.n_moe_layers * moe_extra + final_norm + head
 
   def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)

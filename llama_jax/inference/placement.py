@@ -33,7 +33,7 @@ from llama_jax.core.model_config import DTYPES, QUANTIZE_MODES, ModelConfig
 from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES
 from llama_jax.model import quantize as quantize_lib
 from llama_jax.model import sharding
-from llama_jax.model.llama import Llama
+from llama_jax.model.llama import Llama, stacked_slices
 
 # Logical axis → mesh axis for decoding: the training rules (tensor over heads, kv heads, MLP and vocabulary) except
 # that "embed" is never split (no weight is gathered per token) and batch rows go over `data` alone. "vocab" and
@@ -161,19 +161,19 @@ def place_params(
   repeats = out_cfg.n_kv_heads // cfg.n_kv_heads
   targets = decode_targets(out_cfg, mesh)
   stacked = not is_unstacked(params)
-  n_layers = cfg.n_layers
   mesh_devices = set(mesh.devices.flat)
 
-  def layer_leaf(path: tuple, leaf: Any, layer: int | None, target: jax.ShapeDtypeStruct):
+  def layer_leaf(path: tuple, leaf: Any, layer: int | None, target: jax.ShapeDtypeStruct, n_slices: int = 0):
+    # `layer`: the slice of a stacked leaf's leading axis (of its n_slices) to place; None for a leaf placed whole.
     # K is axis -2 of wk, wv [..., D, K, H] and of their int8 scales [..., K, H].
     repeat_axis = -2 if path[-1] in ("wk", "wv", "wk_scale", "wv_scale") and repeats > 1 else None
     shape = list(leaf.shape[1:] if layer is not None else leaf.shape)
     if repeat_axis is not None and shape:
       shape[repeat_axis] *= repeats
-    if tuple(shape) != target.shape or (layer is not None and leaf.shape[0] != n_layers):
+    if tuple(shape) != target.shape or (layer is not None and leaf.shape[0] != n_slices):
       raise InferenceError(
         f"parameter {'/'.join(map(str, path))} has shape {tuple(leaf.shape)}, which does not fit the model "
-        f"config (expected {target.shape}{f' for each of {n_layers} layers' if layer is not None else ''})"
+        f"config (expected {target.shape}{f' for each of {n_slices} layers' if layer is not None else ''})"
       )
     if isinstance(leaf, jax.Array) and leaf.sharding.device_set == mesh_devices:
       if layer is None and repeat_axis is None and leaf.dtype == target.dtype:
@@ -189,13 +189,14 @@ def place_params(
   flat_targets = dict(_flatten(targets))
   placed: dict[tuple, Any] = {}
   for path, leaf in _flatten(params):
-    known = path if path[0] != "layers" or not stacked else ("layers", 0, *path[1:])
+    in_layer, layers = stacked_slices(cfg, path[1:]) if path[0] == "layers" and stacked else (None, [0])
+    known = path if in_layer is None else ("layers", layers[0], *in_layer)
     if known not in flat_targets:
       raise InferenceError(f"parameter {'/'.join(map(str, path))} is not part of a model with this config")
-    if path[0] == "layers" and stacked:
-      outs = {("layers", i, *path[1:]): None for i in range(n_layers)}
-      for layer, out_path in enumerate(outs):
-        outs[out_path] = layer_leaf(out_path, leaf, layer, flat_targets[out_path])
+    if in_layer is not None:
+      outs = {("layers", i, *in_layer): None for i in layers}
+      for index, out_path in enumerate(outs):
+        outs[out_path] = layer_leaf(out_path, leaf, index, flat_targets[out_path], len(layers))
     else:
       outs = {path: layer_leaf(path, leaf, None, flat_targets[path])}
     placed.update(outs)

@@ -27,6 +27,11 @@ def check_hf_expressible(cfg: ModelConfig, where: str = "the model") -> None:
       f"{where} is a mixture of experts with normalize_top_k={cfg.moe.normalize_top_k}, "
       f"tie_embeddings={cfg.tie_embeddings}; HF Mixtral renormalises the top-k weights and has its own LM head"
     )
+  if cfg.moe.enabled and cfg.moe.every > 1:
+    raise ConvertError(
+      f"{where} has a mixture of experts in every {cfg.moe.every}th block (model.moe.every={cfg.moe.every}); HF "
+      "Mixtral has one in every block, so it cannot be converted"
+    )
 
 
 # model_type of a config.json → what it is read as; Mixtral is LLaMA with a mixture of experts in every block.

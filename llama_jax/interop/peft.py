@@ -31,6 +31,7 @@ from llama_jax.interop.output import (
   tokenizer_in,
 )
 from llama_jax.model import lora as lora_lib
+from llama_jax.model.llama import layer_params
 
 ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -39,17 +40,17 @@ def peft_tensors(adapters: Mapping, cfg: ModelConfig) -> dict[str, np.ndarray]:
   """peft's ``adapter_model.safetensors`` tensors of stacked adapters: lora_A [R, in], lora_B [out, R] per layer
   (torch Linear layout), named as peft saves them for LlamaForCausalLM."""
   out = {}
-  for name, (group, _) in lora_lib.TARGETS.items():
-    node = adapters.get("layers", {}).get(group, {})
-    if name + lora_lib.A_SUFFIX not in node:
-      continue
-    a = np.asarray(node[name + lora_lib.A_SUFFIX], np.float32)
-    b = np.asarray(node[name + lora_lib.B_SUFFIX], np.float32)
-    for i in range(cfg.n_layers):
+  for i, layer in enumerate(layer_params(adapters.get("layers", {})) if adapters.get("layers") else []):
+    for name, (group, _) in lora_lib.TARGETS.items():
+      node = layer.get(group, {})
+      if name + lora_lib.A_SUFFIX not in node:
+        continue
+      a = np.asarray(node[name + lora_lib.A_SUFFIX], np.float32)
+      b = np.asarray(node[name + lora_lib.B_SUFFIX], np.float32)
       rank = a.shape[-1]
       prefix = f"base_model.model.model.layers.{i}.{HF_MODULES[name]}"
-      out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
-      out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
+      out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank).T)
+      out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1).T)
   return out
 
 

@@ -343,14 +343,16 @@ class Block(nnx.Module):
   """Residual block. Pre-norm (LLaMA, `cfg.norm_position == "pre"`): h = x + attention(norm(x)), out = h + mlp(norm(h)).
   Post-norm (the original Transformer): h = norm(x + attention(x)), out = norm(h + mlp(h)). `attention_norm` and
   `mlp_norm` keep their names in both (the norm around each sub-layer); with `cfg.norm == "none"` there are none.
-  With `cfg.moe`, `mlp` is a mixture of experts, and the block also returns its router sums (else an empty dict)."""
+  With `moe` (default: whether `cfg.moe` is on), `mlp` is a mixture of experts, and the block also returns its router
+  sums (else an empty dict)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None, moe: bool | None = None):
     self.pre_norm = cfg.norm_position == "pre"
     self.attention_norm = make_norm(cfg, rngs)
     self.attention = Attention(cfg, rngs=rngs, lora=lora)
     self.mlp_norm = make_norm(cfg, rngs)
-    self.mlp = MoE(cfg, rngs=rngs) if cfg.moe.enabled else MLP(cfg, rngs=rngs, lora=lora)
+    moe = cfg.moe.enabled if moe is None else moe
+    self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs, lora=lora)
 
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> tuple[Array, dict[str, Array]]:
     """(output [B, T, D], router sums): the router statistics count the tokens that are not padding."""
@@ -381,6 +383,43 @@ class Block(nnx.Module):
       mlp_out_BTD, router = self.mlp(mlp_in_BTD), {}
     out_BTD = self.norm_out(self.mlp_norm, h_BTD + mlp_out_BTD)
     return sharding.constrain(out_BTD, ("activation_batch", "activation_length", "activation_embed")), router
+
+
+class BlockGroup(nnx.Module):
+  """`cfg.moe.every` consecutive blocks, the last with a mixture of experts and the others dense: what the stacked
+  model scans when only every k-th block is MoE (the steps of a scan must be alike). Its router sums are its MoE
+  block's."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+    every = cfg.moe.every
+    self.blocks = nnx.List([Block(cfg, rngs=rngs, lora=lora, moe=j == every - 1) for j in range(every)])
+
+  def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> tuple[Array, dict[str, Array]]:
+    for block in self.blocks:
+      x_BTD, router = block(x_BTD, positions_BT, segment_ids_BT)
+    return x_BTD, router
+
+  def decode(self, x_BTD: Array, positions_BT: Array, cache: LayerCache) -> tuple[Array, tuple[Array, Array]]:
+    """`cache.layer` is the group's first layer in the stacked cache; block j reads and writes layer + j."""
+    k_all, v_all = cache.k, cache.v
+    for j, block in enumerate(self.blocks):
+      layer_cache = dataclasses.replace(cache, k=k_all, v=v_all, layer=cache.layer + j)
+      x_BTD, (k_all, v_all) = block.decode(x_BTD, positions_BT, layer_cache)
+    return x_BTD, (k_all, v_all)
+
+
+def stacked_unit(cfg: ModelConfig) -> tuple[type[Block] | type[BlockGroup], int]:
+  """(what the stacked model's scan steps over, how many): L blocks, or L/every groups of `every` blocks when only
+  every `moe.every`-th block is a mixture of experts."""
+  if cfg.moe.enabled and cfg.moe.every > 1:
+    return BlockGroup, cfg.n_layers // cfg.moe.every
+  return Block, cfg.n_layers
+
+
+def _stack_rows(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
+  """Router sums of the MoE blocks, one row each ([L_moe, ...]); an empty dict for a dense model."""
+  rows = [router for router in per_layer if router]
+  return jax.tree.map(lambda *r: jnp.stack(r), *rows) if rows else {}
 
 
 # Position stored in empty cache slots: larger than any query position, so the causal test hides them.
@@ -443,12 +482,13 @@ class Llama(nnx.Module):
   `decode(tokens, positions, cache) -> (logits, cache)` runs new tokens against a KV cache (prefill and each step).
 
   Two layouts of the same parameters. Stacked (the default): one Block whose every parameter has a leading layers
-  axis, run by one ``lax.scan`` (compile time independent of depth; the training layout). `stacked_layers=False`: a
-  list of L separate blocks (params from `unstack_layers`), the decoding layout: a step then reads each layer's
-  weights and writes its cache buffers in place, where slicing them out of stacked arrays copied every weight per
-  step on XLA:CPU (batch-1 decode step 13 → 5 ms). Each layout decodes with its own cache: per-layer buffers for
-  the decoding layout (what the ``Sampler`` runs), one stacked [L, B, K, S, H] cache in the scan carry for the
-  stacked layout (tests, and models too deep to unroll).
+  axis, run by one ``lax.scan`` (compile time independent of depth; the training layout); with `moe.every` > 1, one
+  BlockGroup of `every` blocks with the leading axis L/every (block i is then group i // every's block i % every).
+  `stacked_layers=False`: a list of L separate blocks (params from `unstack_layers`), the decoding layout: a step
+  then reads each layer's weights and writes its cache buffers in place, where slicing them out of stacked arrays
+  copied every weight per step on XLA:CPU (batch-1 decode step 13 → 5 ms). Each layout decodes with its own cache:
+  per-layer buffers for the decoding layout (what the ``Sampler`` runs), one stacked [L, B, K, S, H] cache in the
+  scan carry for the stacked layout (tests, and models too deep to unroll).
 
   With `lora` (a ``LoraConfig`` of rank > 0), the targeted projections also hold low-rank adapters (lora.py), for
   LoRA training; everything that only runs a model loads the adapters merged into the weights instead.
@@ -458,16 +498,18 @@ class Llama(nnx.Module):
     self.cfg = cfg
     self.embed, self.embed_scale = _weight(rngs, "embed", (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg)
 
-    # One Block whose every parameter has a leading "layers" axis, so the forward pass is a single scan.
-    @nnx.split_rngs(splits=cfg.n_layers)
+    unit, n_units = stacked_unit(cfg)
+
+    # One Block (or BlockGroup) whose every parameter has a leading "layers" axis, so the forward pass is one scan.
+    @nnx.split_rngs(splits=n_units)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs: nnx.Rngs) -> Block:
-      return Block(cfg, rngs=rngs, lora=lora)
+    def make_layers(rngs: nnx.Rngs) -> Block | BlockGroup:
+      return unit(cfg, rngs=rngs, lora=lora)
 
     if stacked_layers:
       self.layers = make_layers(rngs)
     else:
-      self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.n_layers)])
+      self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora, moe=cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
     # Post-norm blocks hand on a normalised stream already: a final norm would only apply a second scale to it.
     self.final_norm = make_norm(cfg, rngs) if cfg.norm_position == "pre" else None
     self.lm_head, self.lm_head_scale = (
@@ -493,8 +535,9 @@ class Llama(nnx.Module):
   def forward(
     self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None
   ) -> tuple[Array, dict[str, Array]]:
-    """(`hidden`'s residual stream [B, T, D], router sums [L, ...] of a mixture of experts (moe.router_sums, one
-    row per layer; an empty dict for a dense model)): what the training objective reads for its balance losses."""
+    """(`hidden`'s residual stream [B, T, D], router sums [L_moe, ...] of a mixture of experts (moe.router_sums, one
+    row per MoE block; an empty dict for a dense model)): what the training objective reads for its balance
+    losses."""
     cfg = self.cfg
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
@@ -504,7 +547,7 @@ class Llama(nnx.Module):
       for block in self.layers:
         x_BTD, router = block(x_BTD, positions_BT, segment_ids_BT)
         per_layer.append(router)
-      return x_BTD, jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer)
+      return x_BTD, _stack_rows(per_layer)
     graphdef, layer_state = nnx.split(self.layers)
 
     def run_layer(h_BTD, one_layer_state):
@@ -515,10 +558,10 @@ class Llama(nnx.Module):
     if cfg.scan_layers:
       return jax.lax.scan(run_layer, x_BTD, layer_state)
     per_layer = []
-    for i in range(cfg.n_layers):
+    for i in range(stacked_unit(cfg)[1]):
       x_BTD, router = run_layer(x_BTD, jax.tree.map(lambda a, i=i: a[i], layer_state))
       per_layer.append(router)
-    return x_BTD, jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer)
+    return x_BTD, _stack_rows(per_layer)
 
   def decode(
     self,
@@ -564,9 +607,9 @@ class Llama(nnx.Module):
         h_BTD, (k_all, v_all) = nnx.merge(graphdef, one_layer_state, copy=True).decode(h_BTD, positions_BT, layer_cache)
         return (h_BTD, k_all, v_all), None
 
-      (x_BTD, k_all, v_all), _ = jax.lax.scan(
-        run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, jnp.arange(self.cfg.n_layers))
-      )
+      unit, n_units = stacked_unit(self.cfg)
+      first_layers = jnp.arange(n_units) * (self.cfg.moe.every if unit is BlockGroup else 1)
+      (x_BTD, k_all, v_all), _ = jax.lax.scan(run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, first_layers))
     new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
     if logits_at_B is not None:
       x_BTD = jnp.take_along_axis(x_BTD, logits_at_B[:, None, None], axis=1)
@@ -594,5 +637,34 @@ class Llama(nnx.Module):
 
 def unstack_layers(params: dict) -> dict:
   """Pure-dict params of a stacked Llama → those of ``Llama(cfg, stacked_layers=False)`` (one dict per layer)."""
-  n_layers = jax.tree.leaves(params["layers"])[0].shape[0]
-  return dict(params, layers={i: jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n_layers)})
+  return dict(params, layers=dict(enumerate(layer_params(params["layers"]))))
+
+
+def layer_params(stacked: dict) -> list[dict]:
+  """The stacked `layers` params (pure dict) → one dict per block, in order: slices of the leading axis, or of
+  each group's blocks (``BlockGroup``: block i is group i // every's block i % every)."""
+  n_units = jax.tree.leaves(stacked)[0].shape[0]
+  units = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n_units)]
+  if "blocks" not in stacked:
+    return units
+  every = len(stacked["blocks"])
+  return [unit["blocks"][j] for unit in units for j in range(every)]
+
+
+def stacked_slices(cfg: ModelConfig, path: tuple) -> tuple[tuple, list[int]]:
+  """A stacked `layers` leaf's path below "layers" → (its path in one block, the block index of each slice of its
+  leading axis): (path, 0..L-1), or for a BlockGroup's ("blocks", j, ...) (..., [j, every + j, 2·every + j, ...])."""
+  unit, n_units = stacked_unit(cfg)
+  if unit is Block:
+    return path, list(range(n_units))
+  j, every = int(path[1]), cfg.moe.every
+  return path[2:], [g * every + j for g in range(n_units)]
+
+
+def stack_layer_params(per_layer: list[dict], cfg: ModelConfig) -> dict:
+  """One dict per block (in order) → the stacked `layers` params of `cfg`'s layout (``layer_params``' inverse)."""
+  unit, n_units = stacked_unit(cfg)
+  if unit is Block:
+    return jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer)
+  every = cfg.moe.every
+  return {"blocks": {j: jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer[j::every]) for j in range(every)}}

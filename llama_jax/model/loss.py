@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from llama_jax.core.model_config import MoEConfig
+from llama_jax.core.model_config import ModelConfig
 from llama_jax.model import moe as moe_lib
 
 # exp() of a mean loss past this many nats is reported as exp(50) (≈ 5e21): an early, diverging model's perplexity
@@ -51,22 +51,25 @@ def losses_and_router(
       losses_BT = _chunked_cross_entropy(model, x_BTD, targets_BT, chunk)
     weights_BT = batch.get("weights")
     weights_BT = jnp.ones_like(losses_BT) if weights_BT is None else weights_BT.astype(jnp.float32)
-  return losses_BT, weights_BT, moe_terms(router, model.cfg.moe) if router else {}
+  return losses_BT, weights_BT, moe_terms(router, model.cfg) if router else {}
 
 
-def moe_terms(router: dict[str, jax.Array], cfg: MoEConfig) -> dict[str, jax.Array]:
-  """What a mixture of experts adds to a batch's objective, from its layers' router sums: `objective`, the weighted
-  balance and z losses added to the mean token loss; `moe_balance`, `moe_z` the two losses unweighted;
-  `moe_imbalance` the worst layer's max/min assignments; `moe_load` [L, E] each layer's share of assignments per
-  expert; `moe_dropped` the share of assignments dropped (capacity path only)."""
-  losses = moe_lib.balance_losses(router, cfg.top_k, cfg.balance_loss)
+def moe_terms(router: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+  """What a mixture of experts adds to a batch's objective, from its MoE blocks' router sums: `objective`, the
+  weighted balance and z losses added to the mean token loss; `moe_balance`, `moe_z` the two losses unweighted;
+  `moe_imbalance` the worst layer's max/min assignments; `moe_load/<layer>` [E] that block's share of assignments per
+  expert (named by block index, so with moe.every=2 they are layers 1, 3, ...); `moe_dropped` the share of
+  assignments dropped (capacity path only)."""
+  moe = cfg.moe
+  losses = moe_lib.balance_losses(router, moe.top_k, moe.balance_loss)
   terms = dict(
-    objective=cfg.aux_loss_weight * losses["balance"] + cfg.z_loss_weight * losses["z"],
+    objective=moe.aux_loss_weight * losses["balance"] + moe.z_loss_weight * losses["z"],
     moe_balance=losses["balance"],
     moe_z=losses["z"],
     moe_imbalance=losses["imbalance"],
-    moe_load=losses["load"],
   )
+  moe_layers = [layer for layer in range(cfg.n_layers) if cfg.is_moe_layer(layer)]
+  terms.update({f"moe_load/{layer}": load_E for layer, load_E in zip(moe_layers, losses["load"], strict=True)})
   if "dropped" in router:
     terms["moe_dropped"] = jnp.mean(router["dropped"])
   return terms

@@ -19,9 +19,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   experts a token runs and its router: the model's FLOPs, whichever path computes them (the dense reference runs all
   experts; the capacity path pads)."""
   d, h = cfg.dim, cfg.head_dim
-  mlp = 3 * d * cfg.hidden_dim * (cfg.moe.top_k if cfg.moe.enabled else 1) + d * cfg.moe.num_experts
-  per_layer = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + mlp
-  matmul_weights = cfg.n_layers * per_layer + cfg.vocab_size * d  # + LM head; the embedding lookup is no matmul
+  per_layer = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.hidden_dim  # a dense block
+  moe_extra = 3 * d * cfg.hidden_dim * (cfg.moe.top_k - 1) + d * cfg.moe.num_experts  # top_k experts + router
+  matmul_weights = cfg.n_layers * per_layer + cfg.n_moe_layers * moe_extra + cfg.vocab_size * d  # + the LM head
   return 6.0 * matmul_weights + 12.0 * cfg.n_layers * cfg.n_heads * h * seq_len
 
 

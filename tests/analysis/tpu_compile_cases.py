@@ -43,10 +43,13 @@ CASES = {
 
 # The same model with 8 SwiGLU experts (top-2) in every block, on a v5p-8 slice (4 chips).
 MOE_MODEL = dict(MODEL, moe=dict(num_experts=8, top_k=2))
+# The last case puts the mixture in every other block of 4 (moe.every=2): the scan over groups of two blocks.
+MOE_EVERY2_MODEL = dict(MOE_MODEL, n_layers=4, moe=dict(num_experts=8, top_k=2, every=2))
 MOE_CASES = {
-  "v5p-8/moe_expert4": ("v5p-8", dict(data=1, fsdp=1, expert=4, tensor=1)),
-  "v5p-8/moe_expert2_fsdp2": ("v5p-8", dict(data=1, fsdp=2, expert=2, tensor=1)),
-  "v5p-8/moe_fsdp4": ("v5p-8", dict(data=1, fsdp=4, expert=1, tensor=1)),
+  "v5p-8/moe_expert4": ("v5p-8", dict(data=1, fsdp=1, expert=4, tensor=1), MOE_MODEL),
+  "v5p-8/moe_expert2_fsdp2": ("v5p-8", dict(data=1, fsdp=2, expert=2, tensor=1), MOE_MODEL),
+  "v5p-8/moe_fsdp4": ("v5p-8", dict(data=1, fsdp=4, expert=1, tensor=1), MOE_MODEL),
+  "v5p-8/moe_every2_expert4": ("v5p-8", dict(data=1, fsdp=1, expert=4, tensor=1), MOE_EVERY2_MODEL),
 }
 
 
@@ -59,7 +62,7 @@ def main(out: str) -> None:
   devices = {}
   cases = {
     **{case: (*spec, MODEL) for case, spec in CASES.items()},
-    **{c: (*s, MOE_MODEL) for c, s in MOE_CASES.items()},
+    **MOE_CASES,
   }
   for case, (topology, mesh, model) in cases.items():
     devices.setdefault(topology, tpu.tpu_devices(topology))

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core.checks import ConfigError
@@ -20,11 +21,13 @@ from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES, load_run_confi
 from llama_jax.inference.engine import Collector, Engine, Request
 from llama_jax.inference.sampler import Sampler
 from llama_jax.interop import hf as hf_lib
+from llama_jax.interop import hf_config as hf_config_lib
 from llama_jax.interop.output import ConvertError
+from llama_jax.model import llama as llama_lib
 from llama_jax.model import loss as loss_lib
 from llama_jax.model import moe as moe_lib
 from llama_jax.model import sharding
-from llama_jax.model.llama import Llama
+from llama_jax.model.llama import KVCache, Llama
 from llama_jax.training import flops
 from tests import hf_utils
 from tests.conftest import ROOT
@@ -106,7 +109,7 @@ def test_balance_loss_equals_transformers_load_balancing_loss_with_padding(case,
   print(f"{case} {form}: balance loss {float(terms['moe_balance']):.6f} vs transformers {expected:.6f}")
   assert abs(float(terms["moe_balance"]) - expected) <= TOL * max(1.0, abs(expected))
   assert abs(float(terms["objective"]) - cfg.moe.aux_loss_weight * expected) <= TOL
-  load_LE = np.asarray(terms["moe_load"])
+  load_LE = np.stack([np.asarray(terms[f"moe_load/{layer}"]) for layer in range(cfg.n_layers)])
   np.testing.assert_allclose(load_LE.sum(axis=-1), 1.0, rtol=1e-6)  # shares of each layer's assignments
 
 
@@ -222,21 +225,27 @@ def test_greedy_sampler_and_engine_equal_transformers_generate(tmp_path):
   hf_model.save_pretrained(str(tmp_path / "hf"))
   hf_lib.from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
   loaded_cfg, params = checkpoint_params.load_params(str(tmp_path / "ckpt"))
+  check_greedy_decoding_equals_generate(hf_model, loaded_cfg, params, 32)
+
+
+def check_greedy_decoding_equals_generate(hf_model, cfg, params, new_tokens) -> list[list[int]]:
+  """Sampler and Engine give transformers' greedy `generate` tokens for two prompts (12 and 5 tokens); returns them."""
   prompts = [np.random.RandomState(s).randint(3, cfg.vocab_size, n).tolist() for s, n in ((1, 12), (2, 5))]
   hf_model.generation_config.eos_token_id = None
   expected = []
   for prompt in prompts:
     with torch.no_grad():
       out = hf_model.generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0
       )
     expected.append(out[0, len(prompt) :].tolist())
-  sampler = Sampler(loaded_cfg, params, eos_id=-1)
-  assert sampler.generate(prompts, 32) == expected
+  sampler = Sampler(cfg, params, eos_id=-1)
+  assert sampler.generate(prompts, new_tokens) == expected
   engine = Engine(sampler, slots=2, max_len=64, steps_per_call=4)
   collectors = [Collector() for _ in prompts]
-  engine.generate([Request(p, 32, c) for p, c in zip(prompts, collectors)])
+  engine.generate([Request(p, new_tokens, c) for p, c in zip(prompts, collectors)])
   assert [c.tokens for c in collectors] == expected
+  return [prompt + tokens for prompt, tokens in zip(prompts, expected)]
 
 
 def test_mixtral_8x7b_preset_has_mixtrals_parameter_count():
@@ -309,3 +318,117 @@ def test_capacity_on_a_mesh_drops_as_without_one():
     on_mesh = run()
   assert alone[1] > 0.1  # half the fair share per expert: many assignments dropped
   assert on_mesh[1] == alone[1] and on_mesh[0] == pytest.approx(alone[0], rel=TOL)
+
+
+class _DenseMLP(torch.nn.Module):
+  """transformers' LlamaMLP in a Mixtral block's place, returning what the replaced sparse block returned (a
+  tuple with router logits in older transformers): a transformers model with MoE in every other block only."""
+
+  def __init__(self, mlp, returns_tuple: bool, num_experts: int):
+    super().__init__()
+    self.mlp, self.returns_tuple, self.num_experts = mlp, returns_tuple, num_experts
+
+  def forward(self, x):
+    out = self.mlp(x)
+    if not self.returns_tuple:
+      return out
+    return out, torch.zeros(x.shape[0] * x.shape[1], self.num_experts, dtype=x.dtype)
+
+
+def interleaved_mixtral_and_ours(cfg, tmp_path, seed=0):
+  """transformers' Mixtral with the sparse blocks of the layers that `cfg.moe.every` leaves dense replaced by
+  transformers' LlamaMLP (random weights), and our model of `cfg` holding the same tensors."""
+  every1 = cfg.replace(moe=dict(vars(cfg.moe), every=1))
+  hf_model = hf_utils.random_hf_mixtral(every1, seed)
+  every_block = hf_lib.params_from_hf(hf_utils.saved_tensors(hf_model, tmp_path / "hf"), every1)
+  per_layer = llama_lib.layer_params(every_block["layers"])
+  llama_config = transformers.LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim, hidden_act="silu")
+  torch.manual_seed(seed + 1)
+  x = torch.zeros(1, 2, cfg.dim)
+  for i, layer in enumerate(hf_model.model.layers):
+    if cfg.is_moe_layer(i):
+      continue
+    name = "block_sparse_moe" if hasattr(layer, "block_sparse_moe") else "mlp"
+    with torch.no_grad():
+      returns_tuple = isinstance(getattr(layer, name)(x), tuple)
+    mlp = LlamaMLP(llama_config).eval()
+    with torch.no_grad():
+      for p in mlp.parameters():
+        p.normal_(0, 0.05)
+    setattr(layer, name, _DenseMLP(mlp, returns_tuple, cfg.moe.num_experts))
+    per_layer[i] = dict(
+      per_layer[i],
+      mlp={
+        "w_gate": mlp.gate_proj.weight.detach().numpy().T,
+        "w_up": mlp.up_proj.weight.detach().numpy().T,
+        "w_down": mlp.down_proj.weight.detach().numpy().T,
+      },
+    )
+  return hf_model, dict(every_block, layers=llama_lib.stack_layer_params(per_layer, cfg))
+
+
+EVERY2 = dict(n_layers=4, n_kv_heads=2, moe=dict(num_experts=4, top_k=2, every=2))
+
+
+def test_moe_every_second_block_matches_transformers_with_dense_blocks_between(tmp_path):
+  """moe.every=2: blocks 1 and 3 are mixtures, 0 and 2 dense SwiGLU, checked against transformers' Mixtral with its
+  sparse blocks 0 and 2 replaced by LlamaMLP; the grouped layer scan, the Python loop over groups and the
+  per-block (decoding) layout give the same logits, and the router sums are the MoE blocks' only."""
+  cfg = moe_config(**EVERY2)
+  hf_model, params = interleaved_mixtral_and_ours(cfg, tmp_path)
+  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 40))
+  with torch.no_grad():
+    expected = hf_model(torch.tensor(tokens)).logits.numpy()
+  ours = load(abstract_llama(cfg), params)
+  x, router = ours.forward(jnp.asarray(tokens))
+  logits = np.asarray(ours.logits(x))
+  diff = np.abs(logits - expected).max()
+  print(f"moe.every=2: max |Δlogit| {diff:.2e} (logits up to {np.abs(expected).max():.2f})")
+  assert diff <= TOL
+  assert {leaf.shape[0] for leaf in jax.tree.leaves(router)} == {2}  # one row per MoE block
+  loop = load(abstract_llama(cfg.replace(scan_layers=False)), params)
+  np.testing.assert_allclose(np.asarray(loop(jnp.asarray(tokens))), logits, atol=TOL, rtol=0)
+  unstacked = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False))
+  per_block = load(unstacked, llama_lib.unstack_layers(params))
+  assert [type(block.mlp).__name__ for block in per_block.layers] == ["MLP", "MoE", "MLP", "MoE"]
+  np.testing.assert_allclose(np.asarray(per_block(jnp.asarray(tokens))), logits, atol=TOL, rtol=0)
+  abstract = nnx.state(abstract_llama(cfg))
+  assert sum(x.size for x in jax.tree.leaves(abstract)) == cfg.num_params()
+  assert abstract["layers"]["blocks"][1]["mlp"]["w_gate"].get_metadata()["out_sharding"] == (
+    "layers",
+    "expert",
+    "embed",
+    "mlp",
+  )
+
+
+def test_moe_every_second_block_decodes_as_transformers_generates(tmp_path):
+  """Sampler (the per-block layout, placed from the grouped stacked params), Engine and the stacked model's own
+  cache all give transformers' greedy tokens."""
+  cfg = moe_config(**EVERY2, max_seq_len=256)
+  hf_model, params = interleaved_mixtral_and_ours(cfg, tmp_path, seed=4)
+  first = check_greedy_decoding_equals_generate(hf_model, cfg, params, 24)[0]
+  # The stacked model's cache: its group scan writes block g·every + j's slots.
+  stacked = load(abstract_llama(cfg), params)
+  prompt = first[:12]
+  cache = KVCache.empty(cfg, 1, 64)
+  logits, cache = stacked.decode(jnp.asarray([prompt]), None, cache)
+  tokens = [int(np.argmax(logits[0, -1]))]
+  for _ in range(7):
+    logits, cache = stacked.decode(jnp.asarray([[tokens[-1]]]), None, cache)
+    tokens.append(int(np.argmax(logits[0, -1])))
+  assert tokens == first[12:20]
+
+
+def test_moe_every_errors_and_the_refused_hf_export(tmp_path):
+  with pytest.raises(ConfigError, match=r"model.moe.every=3 must divide n_layers=4"):
+    moe_config(n_layers=4, moe=dict(num_experts=4, every=3))
+  with pytest.raises(ConfigError, match=r"model.moe.every must be ≥ 1 \(1: every block; k: every k-th block\), got 0"):
+    moe_config(moe=dict(num_experts=4, every=0))
+  cfg = moe_config(**EVERY2)
+  with pytest.raises(ConvertError, match=r"mixture of experts in every 2th block .* HF Mixtral has one in every block"):
+    hf_config_lib.check_hf_expressible(cfg)
+  dense = moe_config(n_layers=4, moe=dict(num_experts=0))
+  per_expert = 6 * 3 * dense.dim * dense.hidden_dim
+  assert flops.flops_per_token(cfg, 64) - flops.flops_per_token(dense, 64) == 2 * (per_expert + 6 * dense.dim * 4)
+  assert cfg.num_active_params() == dense.num_params() + 2 * (3 * dense.dim * dense.hidden_dim + dense.dim * 4)

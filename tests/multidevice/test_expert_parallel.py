@@ -88,6 +88,23 @@ def test_expert_parallel_loss_and_gradients_equal_one_device(reference, mesh_nam
     assert np.abs(got - expected).max() <= TOL * scale, jax.tree_util.keystr(path)
 
 
+def test_moe_every_second_block_on_expert4_fsdp2_equals_one_device():
+  """moe.every=2 over 4 layers (blocks 1 and 3 mixtures): the grouped layer scan sharded with experts over `expert`
+  and the dense blocks' weights over fsdp gives one device's loss, balance loss and gradients."""
+  cfg = CFG.replace(n_layers=4, moe=dict(MOE, every=2))
+  one = sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(sharding.init_model(Llama, cfg, one, RULES, seed=5))))
+  assert set(params["layers"]) == {"blocks"}
+  loss_1, terms_1, grads_1 = loss_and_grads(cfg, one, params, batch_of(1))
+  loss, terms, grads = loss_and_grads(cfg, sharding.make_mesh(MESHES["expert4_fsdp2"]), params, batch_of(1))
+  assert loss == pytest.approx(loss_1, rel=TOL)
+  assert float(terms["moe_balance"]) == pytest.approx(float(terms_1["moe_balance"]), rel=TOL)
+  assert sorted(k for k in terms if k.startswith("moe_load/")) == ["moe_load/1", "moe_load/3"]
+  for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1)):
+    scale = max(float(np.abs(expected).max()), 1.0)
+    assert np.abs(got - expected).max() <= TOL * scale, jax.tree_util.keystr(path)
+
+
 def test_expert_weights_are_split_over_the_expert_axis():
   mesh = sharding.make_mesh(MESHES["expert4_fsdp2"])
   model = sharding.init_model(Llama, CFG, mesh, RULES)
@@ -121,7 +138,7 @@ def test_training_steps_on_expert4_fsdp2_equal_one_device():
     for batch in batches:
       state, metrics = trainer.train_step(state, trainer.global_batch(batch))
       losses.append(float(metrics["loss"]))
-      assert np.asarray(metrics["moe_load"]).shape == (2, 8)
+      assert [np.asarray(metrics[f"moe_load/{layer}"]).shape for layer in range(2)] == [(8,), (8,)]
     results.append((losses, jax.tree.map(np.asarray, state["params"])))
   (losses_1, params_1), (losses_8, params_8) = results
   np.testing.assert_allclose(losses_8, losses_1, rtol=TOL)

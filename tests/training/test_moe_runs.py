@@ -48,3 +48,22 @@ def test_evaluate_and_sample_run_the_moe_checkpoint(moe_run):
   assert result.returncode == 0, result.stderr[-3000:]
   result = run_module("llama_jax.sample", "--checkpoint", str(workdir), "--prompt", "ROMEO:", "--max_new_tokens", "8")
   assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+
+
+def test_moe_every_second_block_trains_and_a_changed_every_is_refused(tmp_path, small_tokenizer):
+  """moe.every=2 over 4 layers: the loads are logged for blocks 1 and 3 (named by block, not by MoE row), the loss
+  falls; resuming the workdir with moe.every=1 (a different parameter tree) is refused in one line."""
+  workdir = tmp_path / "run"
+  every = [*MOE, "--config.model.n_layers=4", "--config.model.moe.every=2"]
+  run_train(workdir, small_tokenizer, *every)
+  train = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in train if "loss" in r]
+  assert np.mean([r["loss"] for r in train[-3:]]) < train[0]["loss"] - 0.5
+  for record in train:
+    layers = {int(key.split("/")[1]) for key in record if key.startswith("moe_load/")}
+    assert layers == {1, 3}
+    for layer in layers:
+      assert sum(record[f"moe_load/{layer}/{e}"] for e in range(4)) == pytest.approx(1.0, rel=1e-5)
+  result = run_train(workdir, small_tokenizer, *every[:-1], "--config.model.moe.every=1", check=False)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "moe.every" in result.stderr.strip().splitlines()[-1]
