@@ -106,6 +106,8 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
     has_segment_ids=run_config.data.format == "chat",
     has_positions=False,
   )
+  if mesh.shape["context"] > 1:  # each device's slice of the sequence: the context strategy's per-device kernel
+    attention = f"context {model_cfg.context_strategy} (xla blocks)"
   return Plan(
     mesh=dict(mesh.shape),
     devices=len(devices),

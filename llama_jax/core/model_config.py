@@ -16,6 +16,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
+CONTEXT_STRATEGIES = ("all_gather", "ring")
 QUANTIZE_MODES = ("none", "int8")
 NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
@@ -114,6 +115,11 @@ class ModelConfig:
   scan_layers: bool = True  # run the stacked layers with lax.scan (False: a Python loop, same numbers)
   remat: str = "none"  # none | full | dots | dots_no_batch
   attention: str = "auto"  # auto (by backend) | xla | chunked | cudnn | splash
+  # With mesh.context > 1 (each device holding a slice of every sequence), how attention sees the other slices' keys:
+  # all_gather (every device gathers the whole sequence's keys and values once per layer; MaxText's default) | ring
+  # (each device's block of keys and values passed round the ring by ppermute, one block per step, the softmax
+  # merged online: only two blocks alive per device).
+  context_strategy: str = "all_gather"
   # Tokens per chunk of the training and evaluation loss (0: the whole sequence at once). The LM head and the
   # cross-entropy run chunk by chunk, rematerialised in the backward pass, so the float32 logits [B, T, V] never exist
   # whole: with Llama 3's 128,256-token vocabulary they are 4 GiB per 8,192-token sequence, twice with their gradient.
@@ -183,6 +189,7 @@ class ModelConfig:
     check_choice("param_dtype", self.param_dtype, DTYPES)
     check_choice("remat", self.remat, REMAT_POLICIES)
     check_choice("attention", self.attention, ATTENTION_IMPLS)
+    check_choice("context_strategy", self.context_strategy, CONTEXT_STRATEGIES)
     check_choice("quantize", self.quantize, QUANTIZE_MODES)
     check_choice("norm", self.norm, NORMS)
     check_choice("norm_position", self.norm_position, NORM_POSITIONS)

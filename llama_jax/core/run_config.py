@@ -31,7 +31,7 @@ DATA_FORMATS = ("text", "chat", "preference")
 ON_ERROR = ("skip", "stop")
 NONFINITE_POLICIES = ("stop", "skip")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 class Section:
@@ -262,15 +262,18 @@ def _sources(value: Any) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
-  """Devices as data × fsdp × expert × tensor; -1 takes the devices the other axes leave. dcn_data > 1 spans the data
-  axis over that many slices (multi-slice TPU, or GPU hosts): the other axes then stay within a slice. `expert`
-  shards a mixture's experts (expert parallelism: tokens go to their experts' devices by all-to-all) and, like
-  data and fsdp, the batch outside the experts."""
+  """Devices as data × fsdp × expert × context × tensor; -1 takes the devices the other axes leave. dcn_data > 1
+  spans the data axis over that many slices (multi-slice TPU, or GPU hosts): the other axes then stay within a
+  slice. `expert` shards a mixture's experts (expert parallelism: tokens go to their experts' devices by
+  all-to-all) and, like data and fsdp, the batch outside the experts. `context` splits each sequence's tokens."""
 
   SECTION = "mesh"
   data: int = 1
   fsdp: int = -1
   expert: int = 1
+  # Splits each sequence's tokens (activations' "activation_length"): attention then exchanges keys and values
+  # between the shards by model.context_strategy. For sequences too long for one device's activations.
+  context: int = 1
   tensor: int = 1
   dcn_data: int = 1
 
@@ -304,7 +307,7 @@ DEFAULT_LOGICAL_AXIS_RULES = (
   ("layers", None),
   # activations
   ("activation_batch", ("data", "fsdp", "expert")),
-  ("activation_length", None),
+  ("activation_length", "context"),
   ("activation_embed", None),
   ("activation_heads", "tensor"),
   ("activation_kv_heads", "tensor"),
@@ -383,6 +386,11 @@ class RunConfig:
       )
     if expert_axis > 1 and experts % expert_axis:
       raise ConfigError(f"mesh.expert={expert_axis} does not divide model.moe.num_experts={experts}")
+    if self.mesh.context > 1 and self.train.seq_len % self.mesh.context:
+      raise ConfigError(
+        f"mesh.context={self.mesh.context} must divide train.seq_len={self.train.seq_len} (each device holds an "
+        "equal slice of every sequence)"
+      )
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "

@@ -33,7 +33,8 @@ from llama_jax.core.model_config import DTYPES, QUANTIZE_MODES, ModelConfig
 from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES
 from llama_jax.model import quantize as quantize_lib
 from llama_jax.model import sharding
-from llama_jax.model.llama import Llama, stacked_slices
+from llama_jax.model.layer_layout import stacked_slices
+from llama_jax.model.llama import Llama
 
 # Logical axis → mesh axis for decoding: the training rules (tensor over heads, kv heads, MLP and vocabulary) except
 # that "embed" is never split (no weight is gathered per token) and batch rows go over `data` alone. "vocab" and

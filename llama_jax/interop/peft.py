@@ -31,7 +31,7 @@ from llama_jax.interop.output import (
   tokenizer_in,
 )
 from llama_jax.model import lora as lora_lib
-from llama_jax.model.llama import layer_params
+from llama_jax.model.layer_layout import layer_params
 
 ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetensors"
 

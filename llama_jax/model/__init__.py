@@ -7,7 +7,7 @@ from llama_jax.core.lazy import exports
 _PUBLIC = {
   "Llama": "llama_jax.model.llama",
   "KVCache": "llama_jax.model.llama",
-  "unstack_layers": "llama_jax.model.llama",
+  "unstack_layers": "llama_jax.model.layer_layout",
   "make_mesh": "llama_jax.model.sharding",
   "abstract_params": "llama_jax.model.sharding",
   "init_model": "llama_jax.model.sharding",

@@ -14,27 +14,24 @@ norms, softmax and logits are computed in float32. An int8 model (``cfg.quantize
 the projections and the embedding as int8 with a float32 ``<weight>_scale`` per output channel, applied to each
 product's output by ``project`` (the table of weights and axes is in quantize.py).
 
-RoPE layout: the HF transformers convention (rotate the two *halves* of each head, ``rotate_half``), so HF Llama
-weights load without any permutation. Meta's original checkpoints rotate *interleaved pairs*; their wq/wk rows must be
-permuted on the way in (see ``interop.meta.permute_meta_qk``).
+The rotary embedding is rope.py's; the params-dict layouts of the stacked and unstacked layers, layer_layout.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
 from llama_jax.model import attention as attention_lib
+from llama_jax.model import layer_layout, quantize, sharding
 from llama_jax.model import lora as lora_lib
 from llama_jax.model import moe as moe_lib
-from llama_jax.model import quantize, sharding
+from llama_jax.model.rope import RotaryEmbedding
 
 Array = jax.Array
 
@@ -141,45 +138,6 @@ def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm | LayerNorm | None:
   return {"rmsnorm": RMSNorm, "layernorm": LayerNorm}[cfg.norm](cfg, rngs=rngs) if cfg.norm != "none" else None
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-  """Inverse frequencies θ^(-2i/H) of each rotated pair, with linear or llama3 context scaling applied."""
-  head_dim = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-  if cfg.rope_scaling == "linear":
-    inv_freq = inv_freq / cfg.rope_scaling_factor
-  elif cfg.rope_scaling == "llama3":
-    # Long wavelengths are stretched by the factor, short ones kept, and the band between blended smoothly.
-    factor = cfg.rope_scaling_factor
-    low_freq_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
-    high_freq_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
-      cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    inv_freq = np.where(is_medium, blended, scaled)
-  return inv_freq.astype(np.float32)
-
-
-class RotaryEmbedding(nnx.Module):
-  """Rotates each head's two halves by position-dependent angles (HF `rotate_half` layout); no parameters."""
-
-  def __init__(self, cfg: ModelConfig):
-    self.cfg = cfg
-
-  def __call__(self, x_BTXH: Array, positions_BT: Array) -> Array:
-    inv_freq = jnp.asarray(rope_inverse_frequencies(self.cfg))
-    # Angles in float32: bf16 positions × frequencies lose whole radians past a few hundred tokens.
-    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    cos = jnp.cos(angles_BTh)[:, :, None, :]
-    sin = jnp.sin(angles_BTh)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTXH.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BTXH.dtype)
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention: N query heads share K kv heads (G = N / K); kv heads are never repeated."""
 
@@ -224,6 +182,7 @@ class Attention(nnx.Module):
       q_segment_ids=segment_ids_BT,
       kv_segment_ids=segment_ids_BT,
       implementation=self.cfg.attention,
+      context_strategy=self.cfg.context_strategy,
     )
     return self.output_projection(out_BTNH)
 
@@ -410,10 +369,9 @@ class BlockGroup(nnx.Module):
 
 def stacked_unit(cfg: ModelConfig) -> tuple[type[Block] | type[BlockGroup], int]:
   """(what the stacked model's scan steps over, how many): L blocks, or L/every groups of `every` blocks when only
-  every `moe.every`-th block is a mixture of experts."""
-  if cfg.moe.enabled and cfg.moe.every > 1:
-    return BlockGroup, cfg.n_layers // cfg.moe.every
-  return Block, cfg.n_layers
+  every `moe.every`-th block is a mixture of experts (layer_layout.blocks_per_unit)."""
+  per_unit = layer_layout.blocks_per_unit(cfg)
+  return (Block if per_unit == 1 else BlockGroup), cfg.n_layers // per_unit
 
 
 def _stack_rows(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
@@ -607,8 +565,8 @@ class Llama(nnx.Module):
         h_BTD, (k_all, v_all) = nnx.merge(graphdef, one_layer_state, copy=True).decode(h_BTD, positions_BT, layer_cache)
         return (h_BTD, k_all, v_all), None
 
-      unit, n_units = stacked_unit(self.cfg)
-      first_layers = jnp.arange(n_units) * (self.cfg.moe.every if unit is BlockGroup else 1)
+      per_unit = layer_layout.blocks_per_unit(self.cfg)
+      first_layers = jnp.arange(self.cfg.n_layers // per_unit) * per_unit
       (x_BTD, k_all, v_all), _ = jax.lax.scan(run_cached_layer, (x_BTD, cache.k, cache.v), (layer_state, first_layers))
     new_cache = KVCache(k=k_all, v=v_all, positions=slot_positions, index=cache.index + tokens_BT.shape[1])
     if logits_at_B is not None:
@@ -633,38 +591,3 @@ class Llama(nnx.Module):
       head_DV, head_scale_V = self.lm_head[...], _value(self.lm_head_scale)
     logits_BTV = project(x_BTD, head_DV, head_scale_V, preferred_element_type=jnp.float32)  # BTD,DV->BTV
     return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))
-
-
-def unstack_layers(params: dict) -> dict:
-  """Pure-dict params of a stacked Llama → those of ``Llama(cfg, stacked_layers=False)`` (one dict per layer)."""
-  return dict(params, layers=dict(enumerate(layer_params(params["layers"]))))
-
-
-def layer_params(stacked: dict) -> list[dict]:
-  """The stacked `layers` params (pure dict) → one dict per block, in order: slices of the leading axis, or of
-  each group's blocks (``BlockGroup``: block i is group i // every's block i % every)."""
-  n_units = jax.tree.leaves(stacked)[0].shape[0]
-  units = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n_units)]
-  if "blocks" not in stacked:
-    return units
-  every = len(stacked["blocks"])
-  return [unit["blocks"][j] for unit in units for j in range(every)]
-
-
-def stacked_slices(cfg: ModelConfig, path: tuple) -> tuple[tuple, list[int]]:
-  """A stacked `layers` leaf's path below "layers" → (its path in one block, the block index of each slice of its
-  leading axis): (path, 0..L-1), or for a BlockGroup's ("blocks", j, ...) (..., [j, every + j, 2·every + j, ...])."""
-  unit, n_units = stacked_unit(cfg)
-  if unit is Block:
-    return path, list(range(n_units))
-  j, every = int(path[1]), cfg.moe.every
-  return path[2:], [g * every + j for g in range(n_units)]
-
-
-def stack_layer_params(per_layer: list[dict], cfg: ModelConfig) -> dict:
-  """One dict per block (in order) → the stacked `layers` params of `cfg`'s layout (``layer_params``' inverse)."""
-  unit, n_units = stacked_unit(cfg)
-  if unit is Block:
-    return jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer)
-  every = cfg.moe.every
-  return {"blocks": {j: jax.tree.map(lambda *rows: jnp.stack(rows), *per_layer[j::every]) for j in range(every)}}

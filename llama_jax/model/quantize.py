@@ -90,7 +90,7 @@ def quantize_params(
   params: Mapping[str, Any], cfg: ModelConfig, shardings: Any = None, *, donate: bool = False
 ) -> tuple[ModelConfig, dict]:
   """(cfg with quantize="int8", int8 params) from float pure-dict params of `cfg`, in either layout: stacked
-  (``layers`` leaves with a leading L axis) or unstacked (``layers`` {0: {...}, ...}, as ``llama.unstack_layers``
+  (``layers`` leaves with a leading L axis) or unstacked (``layers`` {0: {...}, ...}, as ``layer_layout.unstack_layers``
   gives). The result has the structure of ``nnx.to_pure_dict`` of ``Llama(int8 cfg)`` in the same layout.
 
   Leaf by leaf, each under jit: sharded arrays stay sharded (into `shardings`, a tree matching the output, when

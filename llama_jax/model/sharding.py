@@ -1,4 +1,4 @@
-"""Device mesh (data × fsdp × tensor), logical-axis rules → shardings, and sharded model initialisation.
+"""Device mesh (data × fsdp × expert × context × tensor), logical-axis rules → shardings, sharded model init.
 
 Layers name their axes logically ("embed", "heads", "activation_batch" ...); the run config maps those names to mesh
 axes. Changing the parallelism is a config change. Parameters are never materialised unsharded: the model is
@@ -39,13 +39,14 @@ def mesh_config(mesh: MeshConfig | Mapping[str, int]) -> MeshConfig:
   if unknown:
     raise ShardingError(f"unknown mesh axes {unknown}; the mesh axes are {', '.join(MESH_AXES)} (and dcn_data)")
   try:
-    return MeshConfig(**{"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **values})
+    return MeshConfig(**{axis: 1 for axis in MESH_AXES} | values)
   except ConfigError as e:
     raise ShardingError(str(e)) from None
 
 
 def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> tuple[int, ...]:
-  """Global sizes of the MESH_AXES (data, fsdp, expert, tensor), one -1 replaced by the devices the other axes leave.
+  """Global sizes of the MESH_AXES (data, fsdp, expert, context, tensor), one -1 replaced by the devices the other
+  axes leave.
 
   `dcn_data` (default 1) is the number of slices (multi-slice TPU, or hosts joined by a slower network) that the data
   axis spans: the data axis is dcn_data × data, and the -1 is resolved within one slice. Axes missing from a plain
@@ -74,7 +75,8 @@ def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> 
 
 
 def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, expert, tensor) mesh over `devices` (default: all devices of all processes), axis types Auto."""
+  """A (data, fsdp, expert, context, tensor) mesh over `devices` (default: all devices of all processes), axis types
+  Auto."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices))
   dcn = mesh_config(mesh_cfg).dcn_data
@@ -131,6 +133,16 @@ def active_rules() -> Rules | None:
   on that mesh (the trainer, the sampler, evaluation)."""
   rules = flax_spmd.get_logical_axis_rules()
   return rules if rules and not jax.sharding.get_abstract_mesh().empty else None
+
+
+def context_axes() -> tuple[tuple[str, ...], int]:
+  """(the mesh axes that split the activations' sequence axis "activation_length", how many shards they make)
+  under the active mesh and rules: ((), 1) when no mesh is active or the sequence is whole on every device."""
+  rules = active_rules()
+  target = None if rules is None else dict(rules).get("activation_length")
+  axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+  shards = math.prod(jax.sharding.get_abstract_mesh().shape[axis] for axis in axes)
+  return (axes, shards) if shards > 1 else ((), 1)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

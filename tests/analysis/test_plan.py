@@ -25,7 +25,7 @@ def test_plan_of_the_tiny_config_on_8_devices(tmp_path):
   out = tmp_path / "plan.json"
   result = run_plan("--devices", "8", "--config.mesh.fsdp=8", "--hbm_gib", "0.03", "--json", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "mesh      data 1 × fsdp 8 × expert 1 × tensor 1 = 8 devices" in result.stdout
+  assert "mesh      data 1 × fsdp 8 × expert 1 × context 1 × tensor 1 = 8 devices" in result.stdout
   for line in (
     "TPU v4             32 GiB: fits",
     "TPU v5e",
@@ -45,7 +45,7 @@ def test_plan_errors_name_the_values():
   result = run_plan("--devices", "6", "--config.mesh.fsdp=8")
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1] == (
-    "error: mesh data×fsdp×expert×tensor = 1×8×1×1 = 8 devices, but 6 devices are available"
+    "error: mesh data×fsdp×expert×context×tensor = 1×8×1×1×1 = 8 devices, but 6 devices are available"
   )
   result = run_plan("--devices", "0")
   assert result.returncode == 2 and "--devices must be a positive integer, got 0" in result.stderr
@@ -110,7 +110,7 @@ def test_decode_plan_of_the_tiny_config_on_8_devices(tmp_path):
   out = tmp_path / "plan.json"
   result = run_plan(*DECODE_ARGS, "--hbm_gib", "0.0015", "--json", str(out))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "mesh      data 2 × fsdp 1 × expert 1 × tensor 4 = 8 devices (cpu)" in result.stdout
+  assert "mesh      data 2 × fsdp 1 × expert 1 × context 1 × tensor 4 = 8 devices (cpu)" in result.stdout
   plan = json.loads(out.read_text())
   assert plan["weight_bytes"] == (TINY_PROJECTIONS // 4 + TINY_NORMS) * 4
   assert plan["cache_bytes"] == decode_cache_bytes(8, 64)

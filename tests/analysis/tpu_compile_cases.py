@@ -5,6 +5,7 @@ splash attention, and of its mixture-of-experts variant on v5p-8 with experts ov
 libtpu starts once (tests/analysis/test_tpu_compile.py asserts on the file)."""
 
 import json
+import math
 import os
 import sys
 
@@ -52,9 +53,26 @@ MOE_CASES = {
   "v5p-8/moe_every2_expert4": ("v5p-8", dict(data=1, fsdp=1, expert=4, tensor=1), MOE_EVERY2_MODEL),
 }
 
+# Context parallelism on v5p-8 (4 chips): one 8,192-token sequence per step, split over context=4 by each strategy,
+# against the same step on one chip with the same kernel (XLA, by query chunks), the baseline of per-chip activations.
+CONTEXT_MODEL = dict(MODEL, max_seq_len=8192, attention="chunked")
+CONTEXT_TRAIN = dict(batch_size=1, seq_len=8192)
+CONTEXT_CASES = {
+  "v5p-8/one_chip_8k": ("v5p-8", dict(data=1, fsdp=1, context=1, tensor=1), CONTEXT_MODEL),
+  # The same step at 128 tokens: its temporaries are the ones that do not grow with the sequence (the gradients and
+  # the optimizer update of the parameters, which every context shard holds whole); the rest are the activations.
+  "v5p-8/one_chip_128": ("v5p-8", dict(data=1, fsdp=1, context=1, tensor=1), CONTEXT_MODEL),
+  "v5p-8/context4_all_gather_8k": ("v5p-8", dict(data=1, fsdp=1, context=4, tensor=1), CONTEXT_MODEL),
+  "v5p-8/context4_ring_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=1, context=4, tensor=1),
+    dict(CONTEXT_MODEL, context_strategy="ring"),
+  ),
+}
 
-def run_config(mesh: dict, model: dict = MODEL) -> run_config_lib.RunConfig:
-  return run_config_lib.RunConfig().replace(model=model, mesh=mesh, train=dict(batch_size=8, seq_len=256))
+
+def run_config(mesh: dict, model: dict = MODEL, train: dict | None = None) -> run_config_lib.RunConfig:
+  return run_config_lib.RunConfig().replace(model=model, mesh=mesh, train=train or dict(batch_size=8, seq_len=256))
 
 
 def main(out: str) -> None:
@@ -67,6 +85,11 @@ def main(out: str) -> None:
   for case, (topology, mesh, model) in cases.items():
     devices.setdefault(topology, tpu.tpu_devices(topology))
     plan = plan_lib.plan(run_config(mesh, model), devices[topology])
+    results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
+  for case, (topology, mesh, model) in CONTEXT_CASES.items():
+    chips = devices[topology][: math.prod(mesh.values())]
+    train = dict(CONTEXT_TRAIN, seq_len=128) if case.endswith("_128") else CONTEXT_TRAIN
+    plan = plan_lib.plan(run_config(mesh, model, train), chips)
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
   with open(out, "w") as f:
     json.dump(results, f, indent=2)

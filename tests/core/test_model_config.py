@@ -110,8 +110,9 @@ def test_every_config_file_builds_a_valid_model_config_and_mesh():
     if name.endswith(".py"):
       run_config = run_config_lib.load_run_config(os.path.join(ROOT, "configs", name))
       model = model_config_lib.model_config_from(run_config)
-      data, fsdp, expert, tensor = sharding.resolve_mesh_shape(run_config.mesh, CONFIG_DEVICES.get(name, 8))
+      data, fsdp, expert, context, tensor = sharding.resolve_mesh_shape(run_config.mesh, CONFIG_DEVICES.get(name, 8))
       assert run_config.train.batch_size % (data * fsdp * expert) == 0, name
+      assert run_config.train.seq_len % context == 0, name
       assert model.n_kv_heads % tensor == 0, name
       assert model.moe.num_experts % expert == 0, name
 
@@ -119,7 +120,7 @@ def test_every_config_file_builds_a_valid_model_config_and_mesh():
 def test_tpu_v4_config_is_7b_on_16_chips():
   run_config = run_config_lib.load_run_config(os.path.join(ROOT, "configs", "tpu_v4.py"))
   assert model_config_lib.model_config_from(run_config).num_params() == 6_738_415_616
-  assert sharding.resolve_mesh_shape(run_config.mesh, 16) == (1, 16, 1, 1)
+  assert sharding.resolve_mesh_shape(run_config.mesh, 16) == (1, 16, 1, 1, 1)
   assert run_config.train.batch_size % 16 == 0
 
 

@@ -19,7 +19,8 @@ from llama_jax.core.model_config import ModelConfig
 from llama_jax.inference.sampler import Sampler, load_sampler
 from llama_jax.inference.sampling import SampleError, SamplingConfig, filter_logits, next_token
 from llama_jax.interop import hf as convert
-from llama_jax.model.llama import KVCache, Llama, unstack_layers
+from llama_jax.model.layer_layout import unstack_layers
+from llama_jax.model.llama import KVCache, Llama
 from tests import hf_utils
 from tests.conftest import ROOT
 

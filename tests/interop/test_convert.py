@@ -142,7 +142,7 @@ def test_llama3_rope_scaling_survives_conversion(tmp_path):
 
 def test_meta_interleaved_qk_permutation_turns_pair_rotation_into_half_rotation():
   """Meta rotates pairs (x0,x1),(x2,x3)...; after permute_meta_qk, the half-split rotation gives the same q·k."""
-  from llama_jax.model.llama import RotaryEmbedding
+  from llama_jax.model.rope import RotaryEmbedding
 
   n_heads, head_dim, dim = 2, 8, 16
   rng = np.random.RandomState(0)

@@ -15,6 +15,7 @@ from transformers.models.llama import modeling_llama as hf_llama
 
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.model import llama as model_lib
+from llama_jax.model import rope as rope_lib
 from tests import hf_utils
 
 torch.set_num_threads(2)
@@ -76,14 +77,14 @@ def test_rotary_embedding_matches_hf(rope):
   cfg = small_config(**rope)
   hf_model = hf_utils.random_hf_model(cfg)
   np.testing.assert_allclose(
-    model_lib.rope_inverse_frequencies(cfg), hf_model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6
+    rope_lib.rope_inverse_frequencies(cfg), hf_model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6
   )
   rng = np.random.RandomState(1)
   x_BTNH = rng.randn(2, 40, cfg.n_heads, cfg.head_dim).astype(np.float32)
   positions = np.stack([np.arange(40), np.arange(40) + 77])  # offsets exercise the position input
   cos, sin = hf_rope(hf_model, torch.tensor(x_BTNH), positions)
   expected, _ = hf_llama.apply_rotary_pos_emb(torch.tensor(x_BTNH), torch.tensor(x_BTNH), cos, sin, unsqueeze_dim=2)
-  ours = model_lib.RotaryEmbedding(cfg)(jnp.asarray(x_BTNH), jnp.asarray(positions))
+  ours = rope_lib.RotaryEmbedding(cfg)(jnp.asarray(x_BTNH), jnp.asarray(positions))
   np.testing.assert_allclose(np.asarray(ours), expected.numpy(), atol=COMPONENT_TOL, rtol=0)
 
 
@@ -355,7 +356,7 @@ def test_bf16_rope_angles_are_float32():
   rng = np.random.RandomState(9)
   x_BTNH = rng.randn(2, 64, cfg.n_heads, cfg.head_dim).astype(jnp.bfloat16)
   positions = np.stack([np.arange(64) + 3000, np.arange(64) + 7000])
-  got = model_lib.RotaryEmbedding(cfg)(jnp.asarray(x_BTNH), jnp.asarray(positions))
+  got = rope_lib.RotaryEmbedding(cfg)(jnp.asarray(x_BTNH), jnp.asarray(positions))
   assert got.dtype == jnp.bfloat16
   inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim)
   angles = (positions[..., None] * inv_freq)[:, :, None, :]

@@ -23,10 +23,9 @@ from llama_jax.inference.sampler import Sampler
 from llama_jax.interop import hf as hf_lib
 from llama_jax.interop import hf_config as hf_config_lib
 from llama_jax.interop.output import ConvertError
-from llama_jax.model import llama as llama_lib
+from llama_jax.model import layer_layout, sharding
 from llama_jax.model import loss as loss_lib
 from llama_jax.model import moe as moe_lib
-from llama_jax.model import sharding
 from llama_jax.model.llama import KVCache, Llama
 from llama_jax.training import flops
 from tests import hf_utils
@@ -341,7 +340,7 @@ def interleaved_mixtral_and_ours(cfg, tmp_path, seed=0):
   every1 = cfg.replace(moe=dict(vars(cfg.moe), every=1))
   hf_model = hf_utils.random_hf_mixtral(every1, seed)
   every_block = hf_lib.params_from_hf(hf_utils.saved_tensors(hf_model, tmp_path / "hf"), every1)
-  per_layer = llama_lib.layer_params(every_block["layers"])
+  per_layer = layer_layout.layer_params(every_block["layers"])
   llama_config = transformers.LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim, hidden_act="silu")
   torch.manual_seed(seed + 1)
   x = torch.zeros(1, 2, cfg.dim)
@@ -364,7 +363,7 @@ def interleaved_mixtral_and_ours(cfg, tmp_path, seed=0):
         "w_down": mlp.down_proj.weight.detach().numpy().T,
       },
     )
-  return hf_model, dict(every_block, layers=llama_lib.stack_layer_params(per_layer, cfg))
+  return hf_model, dict(every_block, layers=layer_layout.stack_layer_params(per_layer, cfg))
 
 
 EVERY2 = dict(n_layers=4, n_kv_heads=2, moe=dict(num_experts=4, top_k=2, every=2))
@@ -389,7 +388,7 @@ def test_moe_every_second_block_matches_transformers_with_dense_blocks_between(t
   loop = load(abstract_llama(cfg.replace(scan_layers=False)), params)
   np.testing.assert_allclose(np.asarray(loop(jnp.asarray(tokens))), logits, atol=TOL, rtol=0)
   unstacked = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False))
-  per_block = load(unstacked, llama_lib.unstack_layers(params))
+  per_block = load(unstacked, layer_layout.unstack_layers(params))
   assert [type(block.mlp).__name__ for block in per_block.layers] == ["MLP", "MoE", "MLP", "MoE"]
   np.testing.assert_allclose(np.asarray(per_block(jnp.asarray(tokens))), logits, atol=TOL, rtol=0)
   abstract = nnx.state(abstract_llama(cfg))

@@ -22,6 +22,7 @@ from llama_jax.core.checks import ConfigError
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import TrainConfig
 from llama_jax.interop import hf, output
+from llama_jax.model import layer_layout
 from llama_jax.model import llama as model_lib
 from llama_jax.model.loss import token_losses
 from llama_jax.training.optimizer import make_optimizer
@@ -124,7 +125,7 @@ def test_model_variant_matches_torch_reference_and_decodes_like_its_forward(vari
   # stacked layout shares Block.decode; only its cache bookkeeping differs, which no norm touches (test_sample.py).
   unstacked = load(
     nnx.eval_shape(lambda: model_lib.Llama(cfg, rngs=nnx.Rngs(0), stacked_layers=False)),
-    model_lib.unstack_layers(params),
+    layer_layout.unstack_layers(params),
   )
   cache = model_lib.KVCache.empty(cfg, 2, 32, per_layer=True)
   decoded, cache = unstacked.decode(jnp.asarray(tokens[:, :20]), None, cache)

@@ -23,8 +23,8 @@ from llama_jax.core.checks import ConfigError
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import RunConfig
 from llama_jax.inference.placement import per_device_bytes
+from llama_jax.model import layer_layout, quantize
 from llama_jax.model import llama as model_lib
-from llama_jax.model import quantize
 from tests.conftest import needs_shakespeare
 
 # GQA; a square MLP (F = D) and N·H = D, so that a scale read on the wrong axis of an MLP weight, or applied to the
@@ -82,7 +82,7 @@ def cached_decode(cfg: ModelConfig, params: dict, tokens: np.ndarray, prefill: i
   """Float32 logits of `Llama(stacked_layers=False).decode` with a per-layer KV cache (the sampler's layout): the
   first `prefill` tokens in one call, then one token per call."""
   step = decode_fn(cfg)
-  unstacked = model_lib.unstack_layers(params)
+  unstacked = layer_layout.unstack_layers(params)
   cache = model_lib.KVCache.empty(cfg, tokens.shape[0], tokens.shape[1], per_layer=True)
   logits, cache = step(unstacked, jnp.asarray(tokens[:, :prefill]), cache)
   out = [np.asarray(logits)]
@@ -155,7 +155,7 @@ def shapes(tree) -> dict:
 def test_quantize_params_gives_the_int8_models_structure(tied, stacked):
   cfg = small_config(tie_embeddings=tied, param_dtype="bfloat16")
   float_params = abstract_params(cfg)
-  prepare = (lambda p: p) if stacked else model_lib.unstack_layers
+  prepare = (lambda p: p) if stacked else layer_layout.unstack_layers
   int8_cfg, _ = quantize.quantize_params({}, cfg)
   assert int8_cfg == cfg.replace(quantize="int8")
   got = jax.eval_shape(lambda p: quantize.quantize_params(prepare(p), cfg)[1], float_params)

@@ -11,9 +11,11 @@ from llama_jax.model import sharding
 
 
 def test_minus_one_is_the_rest_of_the_devices():
-  assert sharding.resolve_mesh_shape(dict(data=2, fsdp=-1, tensor=2), 16) == (2, 4, 1, 2)
-  assert sharding.resolve_mesh_shape(dict(data=1, fsdp=-1, tensor=1), 1) == (1, 1, 1, 1)
-  assert sharding.resolve_mesh_shape(dict(tensor=8), 8) == (1, 1, 1, 8)
+  # (data, fsdp, expert, context, tensor)
+  assert sharding.resolve_mesh_shape(dict(data=2, fsdp=-1, tensor=2), 16) == (2, 4, 1, 1, 2)
+  assert sharding.resolve_mesh_shape(dict(data=1, fsdp=-1, tensor=1), 1) == (1, 1, 1, 1, 1)
+  assert sharding.resolve_mesh_shape(dict(tensor=8), 8) == (1, 1, 1, 1, 8)
+  assert sharding.resolve_mesh_shape(dict(fsdp=2, context=-1), 8) == (1, 2, 1, 4, 1)
 
 
 @pytest.mark.parametrize(
@@ -22,7 +24,7 @@ def test_minus_one_is_the_rest_of_the_devices():
     (
       dict(data=2, fsdp=2, tensor=2),
       4,
-      "mesh data×fsdp×expert×tensor = 2×2×1×2 = 8 devices, but 4 devices are available",
+      "mesh data×fsdp×expert×context×tensor = 2×2×1×1×2 = 8 devices, but 4 devices are available",
     ),
     (dict(data=3, fsdp=-1, tensor=1), 8, "mesh axes other than -1 multiply to 3, which does not divide the 8 devices"),
     (dict(data=-1, fsdp=-1, tensor=1), 8, "at most one mesh axis may be -1"),
@@ -36,7 +38,7 @@ def test_minus_one_is_the_rest_of_the_devices():
     (
       dict(data=2, fsdp=4, dcn_data=2),
       8,
-      "mesh data×fsdp×expert×tensor = 2×4×1×1 = 8 devices, but 4 devices per slice",
+      "mesh data×fsdp×expert×context×tensor = 2×4×1×1×1 = 8 devices, but 4 devices per slice",
     ),
   ],
 )
@@ -47,8 +49,8 @@ def test_bad_mesh_is_rejected_naming_the_numbers(mesh, devices, message):
 
 
 def test_dcn_data_multiplies_the_data_axis_and_minus_one_fills_a_slice():
-  assert sharding.resolve_mesh_shape(dict(data=1, fsdp=-1, tensor=2, dcn_data=4), 32) == (4, 4, 1, 2)
-  assert sharding.resolve_mesh_shape(dict(data=2, fsdp=-1, tensor=1, dcn_data=2), 16) == (4, 4, 1, 1)
+  assert sharding.resolve_mesh_shape(dict(data=1, fsdp=-1, tensor=2, dcn_data=4), 32) == (4, 4, 1, 1, 2)
+  assert sharding.resolve_mesh_shape(dict(data=2, fsdp=-1, tensor=1, dcn_data=2), 16) == (4, 4, 1, 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +79,7 @@ def test_logical_names_map_through_the_rules_and_unknown_names_fail():
   spec = sharding.logical_to_spec(
     ("activation_batch", "activation_length", "activation_vocab"), DEFAULT_LOGICAL_AXIS_RULES
   )
-  assert spec == PartitionSpec(("data", "fsdp", "expert"), None, "tensor")
+  assert spec == PartitionSpec(("data", "fsdp", "expert"), "context", "tensor")
   with pytest.raises(sharding.ShardingError, match="logical axis 'experts' has no rule"):
     sharding.logical_to_spec(("experts",), DEFAULT_LOGICAL_AXIS_RULES)
 
@@ -100,4 +102,4 @@ def test_single_device_mesh_and_no_distributed_init_on_one_host(monkeypatch):
   distributed.maybe_initialize_distributed()
   assert jax.process_count() == 1
   mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1))
-  assert mesh.axis_names == ("data", "fsdp", "expert", "tensor") and mesh.size == jax.device_count()
+  assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor") and mesh.size == jax.device_count()

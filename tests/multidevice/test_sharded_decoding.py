@@ -182,7 +182,8 @@ def test_cli_decodes_on_a_mesh_like_on_one_device(checkpoint_dir, capsys):
   single = run_sample(*common, "--mesh", "tensor=1")
   assert sharded.returncode == 0 and single.returncode == 0, sharded.stderr + single.stderr
   assert sharded.stdout == single.stdout and sharded.stdout.count("-" * 40) == 2
-  assert "decoding on mesh {'data': 2, 'fsdp': 1, 'expert': 1, 'tensor': 4} of 8 cpu device(s)" in sharded.stderr
+  mesh_line = "decoding on mesh {'data': 2, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 4} of 8 cpu device(s)"
+  assert mesh_line in sharded.stderr
   assert "of 1 cpu device(s)" in single.stderr
   for mesh, message in (
     ("tensor=3", "a tensor axis of 3 devices does not fit 2 kv heads and 8 query heads"),

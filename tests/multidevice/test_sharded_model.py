@@ -98,4 +98,10 @@ def test_tensor_axis_not_dividing_kv_heads_is_rejected_before_init():
 
 
 def test_minus_one_takes_the_remaining_devices():
-  assert sharding.make_mesh(dict(data=2, fsdp=-1, tensor=2)).shape == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert sharding.make_mesh(dict(data=2, fsdp=-1, tensor=2)).shape == {
+    "data": 2,
+    "fsdp": 2,
+    "expert": 1,
+    "context": 1,
+    "tensor": 2,
+  }

@@ -114,7 +114,7 @@ def test_checkpoint_saved_under_fsdp8_continues_identically_under_another_mesh(s
 
 
 def test_bad_meshes_fail_before_compilation_naming_the_numbers():
-  with pytest.raises(sharding.ShardingError, match=r"2×2×1×4 = 16 devices, but 8 devices are available"):
+  with pytest.raises(sharding.ShardingError, match=r"2×2×1×1×4 = 16 devices, but 8 devices are available"):
     make_trainer(dict(data=2, fsdp=2, tensor=4))
   with pytest.raises(
     sharding.ShardingError,

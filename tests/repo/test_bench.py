@@ -44,3 +44,29 @@ def test_gpu_bench_smoke_runs_on_cpu_and_reports_training_and_decoding(tmp_path)
   for row in report["decode"]:
     assert row["steps_per_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["batch"] * row["steps_per_s"])
     assert row["bound_steps_per_s"] > 0 and row["of_bound"] > 0 and row["weight_bytes"] > 0
+
+
+def test_attention_bench_smoke_runs_every_kernel_and_device_count(tmp_path):
+  """bench/attention.py at 256 tokens: a row per kernel and device count, each timed, and the context strategies'
+  per-device temporaries shrinking as the sequence is split further."""
+  out = tmp_path / "attention.json"
+  result = subprocess.run(
+    [sys.executable, "attention.py", "--lengths", "256", "--repeats", "1", "--json", str(out)],
+    cwd=f"{ROOT}/bench",
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [(row["kernel"], row["devices"]) for row in rows] == [
+    ("xla", 1),
+    ("chunked", 1),
+    ("context all_gather", 2),
+    ("context all_gather", 4),
+    ("context ring", 2),
+    ("context ring", 4),
+  ]
+  assert all(row["seconds"] > 0 and row["temp_bytes_per_device"] > 0 for row in rows)
+  by = {(row["kernel"], row["devices"]): row["temp_bytes_per_device"] for row in rows}
+  assert by[("context all_gather", 4)] < by[("context all_gather", 2)] < by[("xla", 1)]

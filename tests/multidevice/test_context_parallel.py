@@ -1,0 +1,170 @@
+"""On 8 simulated devices: context parallelism (each sequence split over the `context` mesh axis, attention's keys
+and values exchanged by all-gather or round a ring of ppermutes) gives one device's loss and gradients, alone and
+composed with fsdp, tensor and data; training steps and a checkpoint carried across a changed context axis too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from llama_jax.checkpoint import train_state as checkpoint_lib
+from llama_jax.core import model_config as model_config_lib
+from llama_jax.core import run_config as run_config_lib
+from llama_jax.core.checks import ConfigError
+from llama_jax.core.model_config import ModelConfig
+from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES
+from llama_jax.model import attention as attention_lib
+from llama_jax.model import loss as loss_lib
+from llama_jax.model import sharding
+from llama_jax.model.llama import Llama
+from llama_jax.training.trainer import Trainer
+from tests.multidevice.test_sharded_model import shard_batch
+from tests.multidevice.test_training_meshes import BATCHES, run_steps
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 8, reason="needs 8 (simulated) devices")
+RULES = DEFAULT_LOGICAL_AXIS_RULES
+CFG = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64)
+MESHES = {
+  "context8": dict(data=1, fsdp=1, context=8, tensor=1),
+  "context2_fsdp4": dict(data=1, fsdp=4, context=2, tensor=1),
+  "context2_tensor2_data2": dict(data=2, fsdp=1, context=2, tensor=2),
+}
+STRATEGIES = ("all_gather", "ring")
+TOL = 1e-5
+
+
+def batch_of(seed=0, length=64):
+  """Packed rows with padding, documents crossing the shard boundaries: segment ids travel with their tokens."""
+  rs = np.random.RandomState(seed)
+  tokens = rs.randint(0, CFG.vocab_size, (8, length + 1))
+  segment_ids = np.ones((8, length), np.int32)
+  segment_ids[1, 13:] = 2
+  segment_ids[1, 40:] = 3
+  segment_ids[3, 50:] = 0
+  segment_ids[5, 7:] = 2
+  return dict(
+    inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segment_ids, weights=(segment_ids != 0).astype(np.float32)
+  )
+
+
+def loss_and_grads(cfg, mesh, params, batch):
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+  def objective(p, b):
+    losses, weights, _ = loss_lib.losses_and_router(p, graphdef, b)
+    return jnp.sum(losses * weights) / jnp.sum(weights)
+
+  with sharding.activate(mesh, RULES):
+    batch = shard_batch(batch, mesh, RULES)
+    params = jax.device_put(params, sharding.shardings_of(sharding.abstract_params(Llama, cfg, mesh, RULES)[1]))
+    step = jax.jit(jax.value_and_grad(objective))
+    hlo = step.lower(params, batch).compile().as_text()
+    loss, grads = step(params, batch)
+  return float(loss), jax.tree.map(np.asarray, grads), hlo
+
+
+@pytest.fixture(scope="module")
+def reference():
+  mesh = sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(sharding.init_model(Llama, CFG, mesh, RULES, seed=3))))
+  loss, grads, _ = loss_and_grads(CFG, mesh, params, batch_of())
+  return params, loss, grads
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_context_parallel_loss_and_gradients_equal_one_device(reference, mesh_name, strategy):
+  params, loss_1, grads_1 = reference
+  mesh = sharding.make_mesh(MESHES[mesh_name])
+  loss, grads, hlo = loss_and_grads(CFG.replace(context_strategy=strategy), mesh, params, batch_of())
+  assert loss == pytest.approx(loss_1, rel=TOL)
+  for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1)):
+    scale = max(float(np.abs(expected).max()), 1.0)
+    assert np.abs(got - expected).max() <= TOL * scale, jax.tree_util.keystr(path)
+  # The exchange each strategy promises: the ring passes blocks on by collective-permute (forward, and back in the
+  # gradient), the all-gather strategy gathers them (and reduce-scatters their gradient).
+  if strategy == "ring":
+    assert hlo.count("collective-permute(") >= 2 * (MESHES[mesh_name]["context"] - 1)
+  else:
+    assert "all-gather(" in hlo
+
+
+@pytest.mark.parametrize("length", [64, 1024])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_the_unsplit(
+  strategy, length, monkeypatch
+):
+  """Attention alone, with GQA and packed segments, split over context=4 × data=2: output and gradients equal the
+  one-device kernel's, and the output stays split over the sequence (never gathered whole on a device). At 1,024
+  tokens, with LONG_SEQUENCE lowered to 256, each device's 256-token slice is attended by query chunks of 64
+  (the path of sequences of 2,048 tokens or more)."""
+  monkeypatch.setattr(attention_lib, "LONG_SEQUENCE", 256)
+  rs = np.random.RandomState(1)
+  q = rs.normal(size=(2, length, 4, 16)).astype(np.float32)
+  k, v = (rs.normal(size=(2, length, 2, 16)).astype(np.float32) for _ in range(2))
+  weights = rs.normal(size=q.shape).astype(np.float32)
+  segments = np.ones((2, length), np.int32)
+  segments[0, length // 2 - 2 :] = 2
+  segments[1, length - 5 :] = 0
+
+  def objective(kernel):
+    return lambda q, k, v, s: jnp.sum(kernel(q, k, v, s) * weights)
+
+  one = lambda q, k, v, s: attention_lib.xla_attention(q, k, v, q_segment_ids=s, kv_segment_ids=s)  # noqa: E731
+  split = lambda q, k, v, s: attention_lib.attention(q, k, v, q_segment_ids=s, context_strategy=strategy)  # noqa: E731
+  expected = one(q, k, v, segments)
+  expected_grads = jax.grad(objective(one), argnums=(0, 1, 2))(q, k, v, segments)
+  mesh = sharding.make_mesh(dict(data=2, fsdp=1, context=4, tensor=1))
+  with sharding.activate(mesh, RULES):
+    place = lambda x, axes: shard_batch(x, mesh, RULES, axes)  # noqa: E731
+    q_s = place(q, ("activation_batch", "activation_length", "activation_heads", None))
+    k_s, v_s = (place(x, ("activation_batch", "activation_length", "activation_kv_heads", None)) for x in (k, v))
+    segments_s = place(segments, ("activation_batch", "activation_length"))
+    out = jax.jit(split)(q_s, k_s, v_s, segments_s)
+    grads = jax.jit(jax.grad(objective(split), argnums=(0, 1, 2)))(q_s, k_s, v_s, segments_s)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-6)
+  for got, want in zip(grads, expected_grads):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * max(1.0, float(np.abs(want).max())))
+  assert {shard.data.shape for shard in out.addressable_shards} == {(1, length // 4, 4, 16)}
+
+
+def run_config(mesh, steps=6, **model):
+  cfg = run_config_lib.base_run_config()
+  cfg.model.update(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64, **model)
+  cfg.mesh.update(**mesh)
+  cfg.train.update(batch_size=8, seq_len=32, steps=steps, warmup_steps=2, lr=1e-3)
+  cfg.seed = 7
+  return cfg
+
+
+def make_trainer(mesh, devices=None, **model):
+  cfg = run_config(mesh, **model)
+  return Trainer(model_config_lib.model_config_from(cfg), cfg, sharding.make_mesh(cfg.mesh, devices))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_training_steps_with_context_2_match_one_device_and_a_checkpoint_moves_to_context_1(tmp_path, strategy):
+  """Three steps at context=2 × fsdp=4 equal one device's; saved, restored at context=1 × fsdp=8 (another sharding of
+  the same arrays) the next three equal one device's too."""
+  one = make_trainer(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+  _, losses_1 = run_steps(one, one.init_state(), BATCHES[:6])
+  trainer = make_trainer(dict(fsdp=4, context=2), context_strategy=strategy)
+  state, losses = run_steps(trainer, trainer.init_state(), BATCHES[:3])
+  np.testing.assert_allclose(losses, losses_1[:3], rtol=1e-5)
+  checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path))
+  checkpointer.save(3, state, {"next_index": 3})
+  checkpointer.close()
+  moved = make_trainer(dict(fsdp=8, context=1))
+  checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path))
+  restored, _ = checkpointer.restore(3, moved.abstract_state())
+  checkpointer.close()
+  _, later = run_steps(moved, restored, BATCHES[3:6])
+  np.testing.assert_allclose(later, losses_1[3:], rtol=1e-5)
+
+
+def test_a_context_axis_that_does_not_divide_the_sequence_is_one_line():
+  with pytest.raises(ConfigError, match=r"mesh.context=3 must divide train.seq_len=32"):
+    run_config_lib.run_config_from(run_config(dict(fsdp=1, context=3)))
+  with pytest.raises(ConfigError, match=r"context_strategy must be one of all_gather, ring; got 'ulysses'"):
+    ModelConfig(context_strategy="ulysses")
