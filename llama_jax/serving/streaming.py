@@ -62,6 +62,7 @@ class Run:
     self.buffer: int | None = None
     self.unsent = 0  # tokens handed over by the engine and not yet taken into the response
     self.overflowed = False  # cancelled for a client that read nothing (see STREAM_BUFFER_TOKENS)
+    self.writing = False  # the stream's handler is inside a write to the client (see `sse`)
 
   def start(self, loop, buffer: int | None = None) -> None:
     """Submits the request; with `buffer`, it is cancelled once more than that many of its tokens wait unsent."""
@@ -79,12 +80,14 @@ class Run:
       self.engine.cancel(self.request)
 
   def _arrive(self, output: Output) -> None:
-    """On the event loop, which runs while a stream's handler waits for its client to read: the outputs pile up in
-    the queue only while the client reads nothing."""
+    """On the event loop, which runs while a stream's handler waits for its client to read. Outputs also pile up
+    while the handler is merely slow (a busy event loop on a loaded host), so the limit is applied only to an output
+    that arrives while the handler is inside a write: a write suspends only when the transport has paused for a
+    client that reads nothing."""
     waiting = self.unsent  # tokens of earlier outputs still in the queue: 0 while the client keeps up
     self.queue.put_nowait(output)
     self.unsent += len(output.tokens)
-    if self.buffer is not None and waiting > self.buffer and not self.request.cancelled:
+    if self.buffer is not None and self.writing and waiting > self.buffer and not self.request.cancelled:
       self.engine.cancel(self.request)  # frees the slot before the next step
       self.overflowed = True
       message = f"the client read nothing while {waiting} tokens waited (the limit is {self.buffer}); cancelled"
@@ -153,7 +156,9 @@ def usage(runs) -> dict:
 DISCONNECT_CHECK_S = 0.5
 # Tokens of one streamed choice that may wait for a client that reads nothing, beyond what the connection's buffers
 # hold (the transport's 64 KiB and the kernel's); past it the choice is cancelled and its slot freed. A client that
-# reads at any pace keeps this near 0: the handler takes each output as soon as the previous chunk is written.
+# reads at any pace keeps this near 0: the handler takes each output as soon as the previous chunk is written. Tokens
+# that wait only because the handler is slow (the engine's thread and the event loop sharing two cores) do not count:
+# a CI run saw a reading client's stream cancelled that way.
 STREAM_BUFFER_TOKENS = 256
 
 
@@ -276,7 +281,11 @@ async def sse(events: AsyncIterator[dict], runs, metrics: ServerMetrics | None) 
   run still going is cancelled and its slot freed."""
   try:
     async for event in events:
+      for run in runs:  # the write of this chunk runs while the generator is suspended here
+        run.writing = True
       yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+      for run in runs:
+        run.writing = False
     yield b"data: [DONE]\n\n"
   finally:
     for run in runs:

@@ -4,6 +4,7 @@ unread connections by the thousand, header floods, out-of-range token ids, JSON 
 answer; afterwards no slot, file descriptor or memory is held that was not held before, and the server answers a
 normal request with the offline greedy text."""
 
+import asyncio
 import json
 import socket
 import time
@@ -12,6 +13,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from llama_jax.serving.protocol import Sampling
+from llama_jax.serving.streaming import Run
 from tests import live_server
 from tests.conftest import needs_shakespeare
 
@@ -294,6 +297,36 @@ def test_an_unread_stream_is_cancelled_and_its_connection_dropped(server):
     assert closed and received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
   finally:
     s.close()
+
+
+def test_tokens_that_wait_for_a_slow_handler_do_not_cancel_the_stream(server):
+  """The stream buffer's limit applies only while the handler is inside a write (the client reads nothing): outputs
+  that pile up while the event loop is busy elsewhere, as on a loaded 2-core CI host where a reading client's stream
+  was once cancelled, are delivered whole. The same pile-up during a write is cancelled at the limit."""
+  _, engine, sampler, tokenizer = server
+  ids = tokenizer.encode("the king", bos=True)
+  want = tokenizer.decode(ids + sampler.generate([ids], 24)[0])[len(tokenizer.decode(ids)) :]
+  sampling = Sampling(
+    max_tokens=24, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=[], stream=True, include_usage=False, n=1
+  )
+
+  async def stream(writing: bool) -> Run:
+    run = Run(engine, tokenizer, ids, 24, sampling, None, False, 0)
+    run.writing = writing
+    run.start(asyncio.get_running_loop(), buffer=BUFFER_TOKENS)
+    deadline = time.monotonic() + 30
+    while engine.pending() and time.monotonic() < deadline:  # the loop blocked: every output waits behind it
+      time.sleep(0.05)
+    while not run.take(await run.queue.get()):
+      pass
+    return run
+
+  slow = asyncio.run(stream(writing=False))
+  assert slow.error is None and not slow.overflowed and slow.choice.n_tokens > BUFFER_TOKENS + 1
+  assert slow.choice.text == want
+  stalled = asyncio.run(stream(writing=True))
+  assert stalled.overflowed and f"the limit is {BUFFER_TOKENS}" in stalled.error
+  assert engine.pending() == 0
 
 
 def test_after_the_battery_nothing_is_held_and_answers_are_greedy(server):
