@@ -17,7 +17,7 @@ from typing import NoReturn
 from absl import flags
 
 from llama_jax.core.checks import ConfigError, did_you_mean
-from llama_jax.core.errors import exit_with_error
+from llama_jax.core.errors import FlagError, exit_with_error
 from llama_jax.core.model_config import DTYPES, QUANTIZE_MODES
 from llama_jax.core.run_config import RunConfig, run_config_from
 
@@ -99,3 +99,32 @@ def add_model_flags(parser: ArgumentParser) -> None:
     default="none",
     help="int8: weight-only int8 with per-output-channel scales (memory; slower on CPU)",
   )
+
+
+# --rope keys → ModelConfig fields (HF's rope_scaling dict names them the same way, less the prefix).
+ROPE_KEYS = {
+  "theta": "rope_theta",
+  "scaling": "rope_scaling",
+  "factor": "rope_scaling_factor",
+  "original_max_len": "rope_original_max_len",
+  "low_freq_factor": "rope_low_freq_factor",
+  "high_freq_factor": "rope_high_freq_factor",
+}
+
+
+def parse_rope(text: str) -> dict:
+  """`--rope theta=500000,scaling=llama3,factor=16,original_max_len=256` → ModelConfig field overrides. RoPE has no
+  weights, so a checkpoint can be read at other frequencies: how a context extension is judged before (or without)
+  training at the longer length. Values are checked by the model config itself once applied."""
+  overrides = {}
+  for item in filter(None, text.split(",")):
+    key, sep, value = item.partition("=")
+    if not sep or key.strip() not in ROPE_KEYS:
+      raise FlagError(f"--rope takes KEY=VALUE items with KEY one of {', '.join(ROPE_KEYS)}; got {item!r}")
+    field = ROPE_KEYS[key.strip()]
+    value = value.strip()
+    try:
+      overrides[field] = value if field == "rope_scaling" else (int(value) if field.endswith("len") else float(value))
+    except ValueError:
+      raise FlagError(f"--rope {key.strip()} must be a number, got {value!r}") from None
+  return overrides

@@ -2,9 +2,11 @@
 
     python -m llama_jax.evaluate --checkpoint DIR [--data PATHS ...] [--seq_len N] [--batch_size N]
         [--mesh data=1,tensor=-1] [--dtype bfloat16] [--quantize int8] [--json FILE [--by_position]]
+        [--rope theta=500000,scaling=llama3,factor=16,original_max_len=256]
 
 Without --data, the run's own validation split (prepared in the workdir) is used; the checkpoint directory is all
-that is needed otherwise (``inference/evaluation.py``).
+that is needed otherwise (``inference/evaluation.py``). Windows may be longer than the model was trained on (its
+max_seq_len): with --by_position that is the check of how a RoPE setting (--rope) carries past the training length.
 """
 
 from __future__ import annotations
@@ -39,9 +41,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--by_position", action="store_true", help="with --json: also the mean loss at each position of the windows"
   )
+  parser.add_argument(
+    "--rope",
+    default="",
+    help="read the weights at other rotary frequencies: comma-separated KEY=VALUE of "
+    f"{', '.join(cli.ROPE_KEYS)} (e.g. scaling=llama3,factor=16,original_max_len=256)",
+  )
   cli.add_model_flags(parser)
   args = parser.parse_args(argv)
   run_or_exit(_check_flags, args)
+  rope = run_or_exit(cli.parse_rope, args.rope)
   maybe_initialize_distributed()
   mesh = run_or_exit(placement.decode_mesh, args.mesh)
   metrics = run_or_exit(
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args.quantize,
     args.step,
     args.by_position,
+    rope,
   )
   print(
     f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} | word perplexity "

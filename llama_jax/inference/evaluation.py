@@ -82,12 +82,15 @@ def evaluate(
   quantize: str = "none",
   step: int | None = None,
   by_position: bool = False,
+  rope: dict | None = None,
 ) -> dict[str, float]:
   """Metrics of the latest (or given) checkpoint step on `sources` (or the run's validation split), with the weights
   placed as for decoding (``placement``: split over `tensor`, windows over `data`; default one device), cast to
   `dtype` and quantized as asked, so a loss measures exactly the weights the sampler would decode with. With
-  `by_position`, also "loss_by_position": the mean loss at each position 0 .. seq_len-1 of the windows (a list)."""
+  `by_position`, also "loss_by_position": the mean loss at each position 0 .. seq_len-1 of the windows (a list).
+  `rope` overrides the checkpoint's rotary settings (ModelConfig fields; RoPE has no weights)."""
   model_cfg = checkpoint_params.read_model_config(checkpoint_dir)
+  model_cfg.replace(**(rope or {}))  # a bad --rope value is refused (ConfigError) before any weight is read
   tokenizer = checkpoint_params.load_tokenizer(checkpoint_dir, "evaluation needs one")
   settings = _run_settings(checkpoint_dir)
   seq_len = seq_len or settings.get("train", {}).get("seq_len") or min(model_cfg.max_seq_len, 1024)
@@ -101,6 +104,8 @@ def evaluate(
   model_cfg, params = placement.load_decode_params(
     checkpoint_dir, mesh, dtype=dtype, quantize=quantize, step=step, stacked=True
   )
+  if rope:
+    model_cfg = model_cfg.replace(**rope)
   rules = placement.decode_rules(model_cfg, mesh)
   graphdef = sharding.abstract_params(Llama, model_cfg)[0]
   replicated = NamedSharding(mesh, PartitionSpec())

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from llama_jax import cli
 from llama_jax import evaluate as evaluate_lib
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core.model_config import ModelConfig
@@ -91,3 +92,44 @@ def test_loss_by_position_in_the_json_output(setup, tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_info:
     evaluate_lib.main(["--checkpoint", directory, "--by_position"])
   assert exit_info.value.code == 2 and "--by_position writes a loss per position" in capsys.readouterr().err
+
+
+def test_rope_override_reads_the_weights_at_other_frequencies(setup, tmp_path, small_tokenizer, capsys):
+  """--rope: the loss is that of the same weights in a model built with the new rotary settings (RoPE has no
+  weights), and differs from the checkpoint's own; bad keys and values are one line each, exit 2. Weights drawn
+  10× wider than the default, so that positions move the loss well past the comparison's tolerance."""
+  _, files, small, tokenizer = setup
+  model = model_lib.Llama(small.cfg.replace(init_std=0.2), rngs=nnx.Rngs(6))
+  directory = str(tmp_path / "wide")
+  checkpoint_params.save_params_dir(
+    directory, model.cfg, jax.device_get(nnx.to_pure_dict(nnx.state(model))), tokenizer_path=small_tokenizer
+  )
+  ids = [tokenizer.encode(text) for text in DOCUMENTS]
+  stream = np.asarray([t for doc in ids for t in (tokenizer.bos_id, *doc, tokenizer.eos_id)])
+  seq_len = len(stream) - 1
+  rope = "theta=500000,scaling=llama3,factor=8,original_max_len=16,low_freq_factor=1,high_freq_factor=4"
+  overrides = cli.parse_rope(rope)
+  assert overrides == dict(
+    rope_theta=500000.0,
+    rope_scaling="llama3",
+    rope_scaling_factor=8.0,
+    rope_original_max_len=16,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+  )
+  metrics = evaluation.evaluate(directory, files, seq_len=seq_len, batch_size=2, rope=overrides)
+  scaled = model_lib.Llama(model.cfg.replace(**overrides), rngs=nnx.Rngs(6))  # the same weights (same seed)
+  nats = hand_nats(scaled, stream, seq_len, 1)
+  assert metrics["loss"] * metrics["tokens"] == pytest.approx(nats, rel=1e-5)
+  own = evaluation.evaluate(directory, files, seq_len=seq_len, batch_size=2)
+  assert abs(own["loss"] - metrics["loss"]) > 1e-2 * own["loss"], (own["loss"], metrics["loss"])
+  for flag, message in (
+    ("colour=1", "--rope takes KEY=VALUE items with KEY one of theta, scaling, factor"),
+    ("factor=big", "--rope factor must be a number, got 'big'"),
+    ("scaling=yarn", "rope_scaling must be one of none, linear, llama3"),
+    ("theta=-1", "rope_theta must be a finite number > 0, got -1.0"),
+  ):
+    with pytest.raises(SystemExit) as exit_info:
+      evaluate_lib.main(["--checkpoint", directory, "--data", *files, "--rope", flag])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
