@@ -47,11 +47,12 @@ def test_gpu_bench_smoke_runs_on_cpu_and_reports_training_and_decoding(tmp_path)
 
 
 def test_attention_bench_smoke_runs_every_kernel_and_device_count(tmp_path):
-  """bench/attention.py at 256 tokens: a row per kernel and device count, each timed, and the context strategies'
-  per-device temporaries shrinking as the sequence is split further."""
+  """bench/attention.py at 256 tokens in bfloat16: a row per kernel and device count, each timed, each output within
+  bf16 rounding of the float32 reference, and the context strategies' per-device temporaries shrinking as the
+  sequence is split further."""
   out = tmp_path / "attention.json"
   result = subprocess.run(
-    [sys.executable, "attention.py", "--lengths", "256", "--repeats", "1", "--json", str(out)],
+    [sys.executable, "attention.py", "--lengths", "256", "--repeats", "1", "--dtype", "bfloat16", "--json", str(out)],
     cwd=f"{ROOT}/bench",
     capture_output=True,
     text=True,
@@ -68,5 +69,6 @@ def test_attention_bench_smoke_runs_every_kernel_and_device_count(tmp_path):
     ("context ring", 4),
   ]
   assert all(row["seconds"] > 0 and row["temp_bytes_per_device"] > 0 for row in rows)
+  assert all(0 < row["max_abs_error"] < 0.03 for row in rows), rows  # bf16 outputs of order 1: 2^-8 relative steps
   by = {(row["kernel"], row["devices"]): row["temp_bytes_per_device"] for row in rows}
   assert by[("context all_gather", 4)] < by[("context all_gather", 2)] < by[("xla", 1)]
