@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -30,7 +28,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from timing import median_seconds  # noqa: E402
+from timing import cpu_name, median_seconds  # noqa: E402
 
 from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES  # noqa: E402
 from llama_jax.model import attention as attention_lib  # noqa: E402
@@ -108,10 +106,8 @@ def main() -> None:
         row = {"kernel": name, **measure(kernel, length, devices, args.repeats, args.max_gib, dtype, reference)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-  lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-  model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "")
   result = {
-    "cpu": model or platform.processor(),
+    "cpu": cpu_name(),
     "cores": os.cpu_count(),
     "device": jax.devices()[0].device_kind,
     "dtype": args.dtype,

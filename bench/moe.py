@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -33,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import train as train_bench  # noqa: E402  (bench/train.py)
 import transformers  # noqa: E402
-from timing import step_times  # noqa: E402
+from timing import cpu_name, step_times  # noqa: E402
 
 from llama_jax.core import run_config as run_config_lib  # noqa: E402
 from llama_jax.interop import hf_config as hf_config_lib  # noqa: E402
@@ -123,8 +122,7 @@ def main(argv=None) -> None:
       f"| {name} | {r['median_s'] * 1e3:.0f} | {tokens_per_s:,.0f} | {reference / r['median_s']:.2f}× | "
       f"{r['compile_s']:.1f} |"
     )
-  cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-  model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if "Model name" in line), "?")
+  model_name = cpu_name()
   print("\n".join(lines))
   print(f"CPU: {model_name}, {os.cpu_count()} cores; jax {jax.__version__}, torch {torch.__version__}")
   if args.json:

@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import load
 import numpy as np
 from decode import SHAPES
 from flax import nnx
+from timing import cpu_name
 
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.inference.engine import STEPS_PER_CALL
@@ -38,14 +38,6 @@ from llama_jax.model.llama import Llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
-
-
-def cpu_name() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-  except (OSError, StopIteration):
-    return platform.processor()
 
 
 def make_checkpoint(directory: str, tokenizer: str) -> str:

@@ -58,6 +58,7 @@ def serve(args) -> None:
     steps_per_call=args.steps_per_call,
     max_queue=args.max_queue,
     max_prefill_tokens=args.max_prefill_tokens,
+    prefill_chunk=args.prefill_chunk,
   )
   name = args.model_name or paths.name(args.checkpoint)
   app = create_app(
@@ -127,6 +128,13 @@ def add_serve_flags(parser) -> None:
     "--max_prefill_tokens",
     type=int,
     help=f"rows × prompt bucket prefilled in one call (default: max_len or {PREFILL_TOKENS}, the larger)",
+  )
+  parser.add_argument(
+    "--prefill_chunk",
+    type=int,
+    default=0,
+    help="prefill prompts longer than this many tokens (a power of two) one chunk per decode call, so running "
+    "streams keep getting tokens while a long prompt arrives (default 0: whole prompts)",
   )
   parser.add_argument(
     "--max_queue", type=int, default=1024, help="requests waiting for a slot before new ones get 503 (overloaded)"

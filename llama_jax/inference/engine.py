@@ -13,9 +13,7 @@ new tokens, frees the slots that finished (eos, length, or cancelled by the call
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,8 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llama_jax.inference.prefill import ChunkedPrefill, Staged
+from llama_jax.inference.requests import EngineBusy, EngineError, Output, Request
 from llama_jax.inference.sampler import Sampler, bucket_length, cache_formats
-from llama_jax.inference.sampling import SampleError, check_sampling
+from llama_jax.inference.sampling import check_sampling
 from llama_jax.inference.slots import SlotState, generate_steps, insert_prompts
 from llama_jax.model import sharding
 
@@ -37,55 +37,6 @@ STEPS_PER_CALL = 8
 # Tokens (rows × prompt bucket) one admission call may prefill, by default: waiting requests are prefilled together
 # (16 prompts of ≤ 64 tokens in one call on stories15M) rather than one call each.
 PREFILL_TOKENS = 1024
-
-
-class EngineError(SampleError):
-  """A request the engine cannot run (prompt and max_tokens beyond the slots' length, bad sampling values)."""
-
-
-class EngineBusy(EngineError):
-  """The queue of waiting requests is full."""
-
-
-@dataclasses.dataclass
-class Output:
-  """What a request receives, in order: new tokens (with their log-probabilities and top alternatives when asked),
-  then one last output with `finish_reason` ("stop": eos; "length": max_tokens; "cancelled")."""
-
-  tokens: list[int]
-  logprobs: list[float] | None = None
-  top_logprobs: list[list[tuple[int, float]]] | None = None
-  finish_reason: str | None = None
-  error: str | None = None  # with finish_reason "error": what failed in the engine
-  # With finish_reason "stop" and logprobs: the stop token that ended the text (eos or another of the model's stop
-  # ids), its log-probability and its alternatives.
-  eos_id: int | None = None
-  eos_logprob: float | None = None
-  eos_top_logprobs: list[tuple[int, float]] | None = None
-  # Only in the first output of a request with prompt_logprobs: for prompt tokens 1..P-1, their log-probability
-  # given the tokens before, and the top alternatives at that position.
-  prompt_logprobs: list[float] | None = None
-  prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-  """One generation: prompt ids, at most `max_tokens` new ones (0: only score the prompt), sampling settings
-  (temperature 0 is greedy), and `on_output`, called from the engine's thread with each Output."""
-
-  prompt: Sequence[int]
-  max_tokens: int
-  on_output: Callable[[Output], None]
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  logprobs: bool = False
-  prompt_logprobs: bool = False
-  id: int = dataclasses.field(default_factory=itertools.count().__next__)
-  cancelled: bool = False
-  emitted: int = 0
-  finished: bool = False
 
 
 class Engine:
@@ -101,6 +52,7 @@ class Engine:
     steps_per_call: int = STEPS_PER_CALL,
     max_queue: int = 1024,
     max_prefill_tokens: int | None = None,
+    prefill_chunk: int = 0,
   ):
     self.sampler = sampler
     cfg = sampler.cfg
@@ -113,6 +65,12 @@ class Engine:
     if steps_per_call < 1:
       raise EngineError(f"steps_per_call must be ≥ 1, got {steps_per_call}")
     self.slots, self.steps_per_call, self.max_queue = slots, steps_per_call, max_queue
+    if prefill_chunk and (prefill_chunk < 0 or prefill_chunk & (prefill_chunk - 1) or prefill_chunk > self.max_len):
+      raise EngineError(
+        f"prefill_chunk must be 0 (whole prompts) or a power of two ≤ max_len {self.max_len}, got {prefill_chunk}"
+      )
+    self.prefill_chunk = prefill_chunk
+    self._staging: Staged | None = None  # the long prompt being prefilled by chunks (prefill.py)
     # Requests waiting together are prefilled in one call while rows × bucket stays within this many tokens (its
     # activations and attention scores are the prefill's memory); a prompt longer than it is prefilled alone.
     self.max_prefill_tokens = max_prefill_tokens or max(self.max_len, PREFILL_TOKENS)
@@ -128,6 +86,7 @@ class Engine:
     )
     self._param_shardings = jax.tree.map(lambda a: a.sharding, sampler.params)
     self._replicated = replicated
+    self._chunked = ChunkedPrefill(sampler, prefill_chunk, self.max_len, self._state_shardings, replicated)
     with sharding.activate(mesh, rules):
       self.state = self._empty_state()
     self._queue: collections.deque[Request] = collections.deque()
@@ -221,6 +180,10 @@ class Engine:
       while rows <= _power_of_two(self.slots) and (rows == 1 or rows * bucket <= self.max_prefill_tokens):
         self._insert_batch([idle] * rows, list(range(rows)), score_prompt=False)
         rows *= 2
+      if self._chunked.applies(idle):  # a staged prefill of this bucket: one chunk, then its insertion (no slot)
+        staged = self._chunked.stage(idle, self.slots)
+        self._chunked.run_chunk(staged)
+        self.state, _ = self._chunked.insert(self.state, staged)
     rows = 1
     while True:
       self._run_rows(min(rows, self.slots), np.zeros(self.slots, bool))
@@ -290,7 +253,7 @@ class Engine:
 
   def pending(self) -> int:
     """Requests not finished: waiting, being admitted, or in a slot."""
-    return self.queued() + len(self._admitting) + self.busy_slots()
+    return self.queued() + len(self._admitting) + self.busy_slots() + (self._staging is not None)
 
   def _deliver(self, request: Request, output: Output) -> None:
     """Hands an output to its request (none once it is cancelled); a callback that fails cancels that request
@@ -306,17 +269,18 @@ class Engine:
   # ---- scheduling ----
 
   def step(self) -> bool:
-    """One round: drop cancelled requests, admit waiting ones into free slots, run one chunk of decode steps and
-    hand out the tokens. False when there was nothing to do."""
+    """One round: drop cancelled requests, admit waiting ones into free slots (a long prompt: one more chunk of its
+    prefill), run one chunk of decode steps and hand out the tokens. False when there was nothing to do."""
     for slot, request in enumerate(self._slot_requests):
       if request is not None and request.cancelled:
         self._finish(slot, "cancelled")
     admitted = False
-    while self._queue and None in self._slot_requests:
+    while self._queue and self._free_slots():
       self._admitting = self._next_admissions()
+      if not self._admitting:
+        break  # the queue's head is a long prompt: staged below, one at a time
       try:
-        if self._admitting:
-          self._admit(self._admitting)
+        self._admit(self._admitting)
       except Exception as error:  # noqa: BLE001 (these requests fail; the others, and the slots, go on)
         for request in self._admitting:
           slot = next((i for i, r in enumerate(self._slot_requests) if r is request), None)
@@ -325,8 +289,9 @@ class Engine:
           if not request.finished:
             self._fail(request, error)
       finally:
-        admitted = admitted or bool(self._admitting)
+        admitted = True
         self._admitting = []
+    admitted = self._advance_staging() or admitted
     if not any(r is not None for r in self._slot_requests):
       return admitted
     busy = np.asarray([r is not None for r in self._slot_requests])
@@ -346,6 +311,63 @@ class Engine:
         top = _pairs(out["top_ids"][emitted, slot], out["top_values"][emitted, slot])
       self._hand_out(slot, request, tokens, logprobs, top)
     return True
+
+  def _free_slots(self) -> list[int]:
+    """Slots no request holds, less the one a staged prefill will start in."""
+    held = self._staging.slot if self._staging is not None else None
+    return [slot for slot, r in enumerate(self._slot_requests) if r is None and slot != held]
+
+  # ---- interleaved (chunked) prefill of long prompts ----
+
+  def _advance_staging(self) -> bool:
+    """Starts staging the queue's head when it is a long prompt and a slot is free, and runs one chunk of the staged
+    prefill; the last chunk starts the request in its slot. False when there is none."""
+    if self._staging is None and self._queue and self._free_slots():
+      while self._queue and self._queue[0].cancelled:
+        self._queue.popleft()
+      if self._queue and self._chunked.applies(self._queue[0]):
+        self._staging = self._chunked.stage(self._queue.popleft(), self._free_slots()[0])
+    staging = self._staging
+    if staging is None:
+      return False
+    if staging.request.cancelled:
+      self._staging = None
+      staging.request.finished = True
+      self.stats["finished_cancelled"] += 1
+      return True
+    try:
+      tokens = min(self.prefill_chunk, len(staging.request.prompt) - staging.start)
+      seconds = self._chunked.run_chunk(staging)
+      self.stats["prefill_chunks"] += 1
+      self._observe("prefill", seconds, tokens)
+      if staging.done:
+        self.state, out = self._chunked.insert(self.state, staging)
+        self._admit_staged(out)
+    except Exception as error:  # noqa: BLE001 (this request fails; the slots go on)
+      self._slot_requests[staging.slot] = None
+      if not staging.request.finished:
+        self._fail(staging.request, error)
+    finally:
+      if self._staging is staging and (staging.request.finished or staging.done):
+        self._staging = None
+    return True
+
+  def _admit_staged(self, out: dict) -> None:
+    """The staged request's first token handed out, as `_admit` does for a batch."""
+    staging = self._staging
+    request = staging.request
+    self.stats["requests"] += 1
+    self.stats["prefill_tokens"] += len(request.prompt)
+    if request.max_tokens == 0:
+      request.finished = True
+      self.stats["finished_length"] += 1
+      self._deliver(request, Output([], finish_reason="length"))
+      return
+    self._slot_requests[staging.slot] = request
+    logprobs = top = None
+    if request.logprobs:
+      logprobs, top = [float(out["logprob"][0])], _pairs(out["top_ids"][0:1], out["top_values"][0:1])
+    self._hand_out(staging.slot, request, [int(out["token"][0])], logprobs, top)
 
   def _run_rows(self, rows: int, busy: np.ndarray) -> dict:
     """One compiled chunk of decode steps over the first `rows` slots; its outputs on the host."""
@@ -380,13 +402,15 @@ class Engine:
     """The waiting requests to prefill together, first come first: as many as there are free slots while rows
     (padded to a power of two) × bucket stays within max_prefill_tokens. A request scoring its prompt goes alone
     (its prefill returns every position's log-probabilities, not only the last one's)."""
-    free = self._slot_requests.count(None)
+    free = len(self._free_slots())
     batch, longest = [], 0
     while self._queue and len(batch) < free:
       request = self._queue[0]
       if request.cancelled:
         self._queue.popleft()
         continue
+      if self._chunked.applies(request):
+        break
       if batch and (request.prompt_logprobs or batch[0].prompt_logprobs):
         break
       n = max(longest, len(request.prompt))
@@ -429,7 +453,7 @@ class Engine:
   def _admit(self, requests: Sequence[Request]) -> None:
     """Prefills the requests into free slots and hands out their first tokens (a max_tokens 0 request ends
     there, with its prompt's log-probabilities when asked)."""
-    slots = [slot for slot, r in enumerate(self._slot_requests) if r is None][: len(requests)]
+    slots = self._free_slots()[: len(requests)]
     start = time.perf_counter()
     out = self._insert_batch(requests, slots, score_prompt=requests[0].prompt_logprobs)
     self._observe("prefill", time.perf_counter() - start, sum(len(r.prompt) for r in requests))
@@ -519,6 +543,9 @@ class Engine:
     """An unexpected failure inside a step ends every request in a slot with finish_reason "error" and the message,
     and starts again from empty slots (queued requests wait for them): the engine keeps serving."""
     running = [r for r in self._slot_requests if r is not None]
+    if self._staging is not None:
+      running.append(self._staging.request)
+      self._staging = None
     self._slot_requests = [None] * self.slots
     for request in running:  # first: if the rebuild below fails too, these have heard already
       self._fail(request, error)
@@ -543,24 +570,3 @@ def _power_of_two(n: int) -> int:
 
 def _pairs(ids, values) -> list[list[tuple[int, float]]]:
   return [list(zip(row_ids.tolist(), row_values.tolist())) for row_ids, row_values in zip(ids, values)]
-
-
-class Collector:
-  """An `on_output` that keeps everything a request receives (tests, benches, callers that do not stream)."""
-
-  def __init__(self):
-    self.tokens: list[int] = []
-    self.logprobs: list[float] = []
-    self.top_logprobs: list[list[tuple[int, float]]] = []
-    self.outputs: list[Output] = []
-    self.finish_reason: str | None = None
-    self.done = threading.Event()
-
-  def __call__(self, output: Output) -> None:
-    self.outputs.append(output)
-    self.tokens += output.tokens
-    self.logprobs += output.logprobs or []
-    self.top_logprobs += output.top_logprobs or []
-    if output.finish_reason is not None:
-      self.finish_reason = output.finish_reason
-      self.done.set()

@@ -105,16 +105,7 @@ def prefill_chunks(
   the attention scores of a call are [chunk × cache] instead of [prompt × cache]. The full chunks run in one scan
   (one compiled body); a shorter last chunk, when the bucket is not a multiple of `chunk`, runs after it."""
   batch, bucket = prompts_BP.shape
-  last_row_B = lengths_B - 1
-
-  def run(carry, start, tokens_BC, positions_BC, segments_BC):
-    last_B1V, cache = carry
-    width = tokens_BC.shape[1]
-    logits_B1V, cache = model.decode(
-      tokens_BC, positions_BC, cache, segments_BC, logits_at_B=jnp.clip(last_row_B - start, 0, width - 1)
-    )
-    here_B = (last_row_B >= start) & (last_row_B < start + width)
-    return jnp.where(here_B[:, None, None], logits_B1V, last_B1V), cache
+  run = functools.partial(prefill_chunk_step, model, last_row_B=lengths_B - 1)
 
   def chunks(x_BP: jax.Array, n: int) -> jax.Array:  # [B, n·chunk] → [n, B, chunk]
     return x_BP[:, : n * chunk].reshape(batch, n, chunk).swapaxes(0, 1)
@@ -135,6 +126,28 @@ def prefill_chunks(
     tail = slice(n_full * chunk, bucket)
     carry = run(carry, n_full * chunk, prompts_BP[:, tail], positions_BP[:, tail], segment_ids_BP[:, tail])
   return carry
+
+
+def prefill_chunk_step(
+  model: Llama,
+  carry: tuple[jax.Array, KVCache],
+  start,
+  tokens_BC: jax.Array,
+  positions_BC: jax.Array,
+  segments_BC: jax.Array,
+  *,
+  last_row_B: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+  """One chunk of a chunked prefill: prompt columns start .. start + C written into the cache (attending to it), and
+  the carried logits [B, 1, V] replaced in the rows whose last prompt token (`last_row_B`) lies in this chunk. The
+  sampler's scan and the engine's interleaved prefill (one chunk per scheduler round) both run it."""
+  last_B1V, cache = carry
+  width = tokens_BC.shape[1]
+  logits_B1V, cache = model.decode(
+    tokens_BC, positions_BC, cache, segments_BC, logits_at_B=jnp.clip(last_row_B - start, 0, width - 1)
+  )
+  here_B = (last_row_B >= start) & (last_row_B < start + width)
+  return jnp.where(here_B[:, None, None], logits_B1V, last_B1V), cache
 
 
 def decode(

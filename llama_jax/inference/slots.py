@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llama_jax.inference.sampler import prefill_chunk_step
 from llama_jax.inference.sampling import sample_rows
 from llama_jax.model.llama import EMPTY_POSITION, KVCache
 
@@ -71,34 +72,59 @@ def insert_prompts(
   row (rolled to end just before the write index) and starts the slots with their first sampled tokens. A row whose
   slot is out of range (≥ the number of slots) pads the batch to its power of two and is written nowhere. `settings`
   = per-row (temperature, top_k, top_p, seed, max_tokens, logprobs). Returns the state and the first tokens'
-  outputs (plus every prompt position's, when scoring). One compiled program, read top to bottom: prefill, sample,
-  then write the slots; splitting it would only scatter what one jit traces together."""
-  temperature_B, top_k_B, top_p_B, seed_B, max_tokens_B, logprobs_B = settings
+  outputs (plus every prompt position's, when scoring). One compiled program: prefill, then `_start_slots`."""
   model = nnx.merge(graphdef, params)
   batch, bucket = prompts_BP.shape
-  columns = state.cache.positions.shape[1]
   positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
   segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
   prefill_cache = KVCache.empty(cfg, batch, bucket, per_layer=True)
-  if score_prompt:  # every position's logits: position t scores prompt token t + 1
-    logits_BPV, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP)
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  else:
+  if not score_prompt:
     last_B1V, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP, lengths_B - 1)
-    last_BV = last_B1V[:, 0]
+    return _start_slots(state, prefill_cache, last_B1V[:, 0], lengths_B, slots_B, settings, stop_ids)
+  # Every position's logits: position t scores prompt token t + 1.
+  logits_BPV, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP)
+  last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  state, outputs = _start_slots(state, prefill_cache, last_BV, lengths_B, slots_B, settings, stop_ids)
+  vocab = logits_BPV.shape[-1]
+  next_BP = jnp.roll(prompts_BP, -1, axis=1)
+  chosen, top_values, top_ids = token_logprobs(logits_BPV.reshape(batch * bucket, vocab), next_BP.reshape(-1))
+  outputs.update(
+    prompt_logprob=chosen.reshape(batch, bucket),
+    prompt_top_values=top_values.reshape(batch, bucket, TOP_LOGPROBS),
+    prompt_top_ids=top_ids.reshape(batch, bucket, TOP_LOGPROBS),
+  )
+  return state, outputs
+
+
+def prefill_chunk(params, cache: KVCache, last_B1V, tokens_BC, start, lengths_B, *, graphdef):
+  """One chunk of an interleaved prefill: C prompt tokens from column `start` into a staging cache of the prompt's
+  bucket (the engine runs decode steps for the running slots between chunks, so a long prompt does not stall them).
+  Returns the cache and the carried logits of each row's last prompt token (set by the chunk that holds it)."""
+  model = nnx.merge(graphdef, params)
+  positions_BC = start + jnp.broadcast_to(jnp.arange(tokens_BC.shape[1], dtype=jnp.int32), tokens_BC.shape)
+  segments_BC = (positions_BC < lengths_B[:, None]).astype(jnp.int32)
+  last_B1V, cache = prefill_chunk_step(
+    model, (last_B1V, cache), start, tokens_BC, positions_BC, segments_BC, last_row_B=lengths_B - 1
+  )
+  return cache, last_B1V
+
+
+def insert_prefilled(state: SlotState, prefill_cache: KVCache, last_B1V, lengths_B, slots_B, settings, *, stop_ids):
+  """The end of an interleaved prefill: the staging cache written into the slots and the slots started, as
+  `insert_prompts` does after its one-call prefill."""
+  return _start_slots(state, prefill_cache, last_B1V[:, 0], lengths_B, slots_B, settings, stop_ids)
+
+
+def _start_slots(state: SlotState, prefill_cache: KVCache, last_BV, lengths_B, slots_B, settings, stop_ids):
+  """Samples each row's first token from its last prompt logits, writes the prefilled keys and values over its
+  slot's row and sets the slot running; (state, the first tokens' outputs)."""
+  temperature_B, top_k_B, top_p_B, seed_B, max_tokens_B, logprobs_B = settings
+  batch, bucket = prefill_cache.positions.shape
   token_B = sample_rows(last_BV, temperature_B, top_k_B, top_p_B, seed_B, lengths_B)
   outputs = dict(zip(("logprob", "top_values", "top_ids"), token_logprobs(last_BV, token_B)), token=token_B)
-  if score_prompt:
-    vocab = logits_BPV.shape[-1]
-    next_BP = jnp.roll(prompts_BP, -1, axis=1)
-    chosen, top_values, top_ids = token_logprobs(logits_BPV.reshape(batch * bucket, vocab), next_BP.reshape(-1))
-    outputs.update(
-      prompt_logprob=chosen.reshape(batch, bucket),
-      prompt_top_values=top_values.reshape(batch, bucket, TOP_LOGPROBS),
-      prompt_top_ids=top_ids.reshape(batch, bucket, TOP_LOGPROBS),
-    )
-
-  # Each prompt's columns end just before the write index: its slot's next step writes at the index.
+  columns = state.cache.positions.shape[1]
+  # Each prompt's columns end just before the write index: its slot's next step writes at the index. Columns past
+  # the prompt (padding, or chunks never run) hold positions ≥ its length or none: hidden until a step overwrites them.
   start_B = (state.cache.index - lengths_B) % columns
   roll_rows = jax.vmap(lambda row, shift: jnp.roll(row, shift, axis=-2 if row.ndim > 1 else -1))
 

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from llama_jax.inference.engine import Engine, EngineError, Output, Request
+from llama_jax.inference.engine import Engine
+from llama_jax.inference.requests import EngineError, Output, Request
 from llama_jax.serving.metrics import ServerMetrics, TokenTimer
 from llama_jax.serving.protocol import ApiError, Choice, prompt_logprobs
 

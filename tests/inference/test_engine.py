@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from llama_jax.core.model_config import ModelConfig
-from llama_jax.inference.engine import Collector, Engine, EngineBusy, EngineError, Request
+from llama_jax.inference.engine import Engine
+from llama_jax.inference.requests import Collector, EngineBusy, EngineError, Request
 from llama_jax.inference.sampler import Sampler
 from llama_jax.inference.sampling import SamplingConfig, filter_logits, filter_rows, sample_rows
 from llama_jax.model.llama import Llama
@@ -197,6 +198,8 @@ def test_bad_requests_are_refused_before_they_queue(engine, request_kwargs, frag
     (dict(slots=0), "slots must be a positive multiple"),
     (dict(max_len=1000), r"max_len must be in \[2, 128\]"),
     (dict(steps_per_call=0), "steps_per_call must be ≥ 1"),
+    (dict(prefill_chunk=24), r"prefill_chunk must be 0 \(whole prompts\) or a power of two ≤ max_len 128, got 24"),
+    (dict(prefill_chunk=256), "prefill_chunk must be 0 .* got 256"),
   ],
 )
 def test_bad_engine_settings_are_one_line_errors(sampler, kwargs, fragment):

@@ -18,7 +18,8 @@ from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core.checks import ConfigError
 from llama_jax.core.model_config import ModelConfig, MoEConfig
 from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES, load_run_config, run_config_from
-from llama_jax.inference.engine import Collector, Engine, Request
+from llama_jax.inference.engine import Engine
+from llama_jax.inference.requests import Collector, Request
 from llama_jax.inference.sampler import Sampler
 from llama_jax.interop import hf as hf_lib
 from llama_jax.interop import hf_config as hf_config_lib
