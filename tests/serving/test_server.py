@@ -378,6 +378,7 @@ def test_load_with_concurrent_and_disconnecting_clients(server):
     (["--request_timeout_s", "0"], "--request_timeout_s must be > 0, got 0.0"),
     (["--max_connections", "0"], "--max_connections must be ≥ 1, got 0"),
     (["--stream_buffer_tokens", "0"], "--stream_buffer_tokens must be ≥ 1, got 0"),
+    (["--prefill_chunk", "24"], "prefill_chunk must be 0 (whole prompts) or a power of two ≤ max_len 256, got 24"),
     (["--allowed_origins", "evil.example"], "--allowed_origins: allowed origin 'evil.example' is not an origin"),
   ],
 )
