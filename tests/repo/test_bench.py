@@ -72,3 +72,21 @@ def test_attention_bench_smoke_runs_every_kernel_and_device_count(tmp_path):
   assert all(0 < row["max_abs_error"] < 0.03 for row in rows), rows  # bf16 outputs of order 1: 2^-8 relative steps
   by = {(row["kernel"], row["devices"]): row["temp_bytes_per_device"] for row in rows}
   assert by[("context all_gather", 4)] < by[("context all_gather", 2)] < by[("xla", 1)]
+
+
+def test_prefill_bench_quick_shows_the_stream_stalled_by_a_whole_prefill_and_fed_between_chunks(tmp_path):
+  """bench/prefill.py --quick (a 300-token prompt): with whole-prompt prefill the running stream gets no token
+  between the long prompt's arrival and its first token; with chunks of 64 it gets a decode call's 8 tokens after
+  each of the first four of the five chunks."""
+  out = tmp_path / "prefill.json"
+  result = subprocess.run(
+    [sys.executable, "prefill.py", "--quick", "--json", str(out)],
+    cwd=f"{ROOT}/bench",
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = {row["prefill_chunk"]: row for row in json.loads(out.read_text())["rows"]}
+  assert rows[0]["stream_tokens"] == 0 and rows[64]["stream_tokens"] == 4 * 8, rows
+  assert all(row["ttft_s"] > 0 and 0 < row["max_gap_s"] <= row["ttft_s"] for row in rows.values())
