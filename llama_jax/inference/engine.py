@@ -69,7 +69,6 @@ class Engine:
       raise EngineError(
         f"prefill_chunk must be 0 (whole prompts) or a power of two ≤ max_len {self.max_len}, got {prefill_chunk}"
       )
-    self.prefill_chunk = prefill_chunk
     self._staging: Staged | None = None  # the long prompt being prefilled by chunks (prefill.py)
     # Requests waiting together are prefilled in one call while rows × bucket stays within this many tokens (its
     # activations and attention scores are the prefill's memory); a prompt longer than it is prefilled alone.
@@ -322,11 +321,9 @@ class Engine:
   def _advance_staging(self) -> bool:
     """Starts staging the queue's head when it is a long prompt and a slot is free, and runs one chunk of the staged
     prefill; the last chunk starts the request in its slot. False when there is none."""
-    if self._staging is None and self._queue and self._free_slots():
-      while self._queue and self._queue[0].cancelled:
-        self._queue.popleft()
-      if self._queue and self._chunked.applies(self._queue[0]):
-        self._staging = self._chunked.stage(self._queue.popleft(), self._free_slots()[0])
+    # The admission loop before this left the queue's head a long prompt (cancelled heads dropped) or no free slot.
+    if self._staging is None and self._queue and self._free_slots() and self._chunked.applies(self._queue[0]):
+      self._staging = self._chunked.stage(self._queue.popleft(), self._free_slots()[0])
     staging = self._staging
     if staging is None:
       return False
@@ -336,13 +333,13 @@ class Engine:
       self.stats["finished_cancelled"] += 1
       return True
     try:
-      tokens = min(self.prefill_chunk, len(staging.request.prompt) - staging.start)
+      tokens = min(self._chunked.chunk, len(staging.request.prompt) - staging.start)
       seconds = self._chunked.run_chunk(staging)
       self.stats["prefill_chunks"] += 1
       self._observe("prefill", seconds, tokens)
       if staging.done:
         self.state, out = self._chunked.insert(self.state, staging)
-        self._admit_staged(out)
+        self._start(staging.request, staging.slot, out, 0)
     except Exception as error:  # noqa: BLE001 (this request fails; the slots go on)
       self._slot_requests[staging.slot] = None
       if not staging.request.finished:
@@ -351,23 +348,6 @@ class Engine:
       if self._staging is staging and (staging.request.finished or staging.done):
         self._staging = None
     return True
-
-  def _admit_staged(self, out: dict) -> None:
-    """The staged request's first token handed out, as `_admit` does for a batch."""
-    staging = self._staging
-    request = staging.request
-    self.stats["requests"] += 1
-    self.stats["prefill_tokens"] += len(request.prompt)
-    if request.max_tokens == 0:
-      request.finished = True
-      self.stats["finished_length"] += 1
-      self._deliver(request, Output([], finish_reason="length"))
-      return
-    self._slot_requests[staging.slot] = request
-    logprobs = top = None
-    if request.logprobs:
-      logprobs, top = [float(out["logprob"][0])], _pairs(out["top_ids"][0:1], out["top_values"][0:1])
-    self._hand_out(staging.slot, request, [int(out["token"][0])], logprobs, top)
 
   def _run_rows(self, rows: int, busy: np.ndarray) -> dict:
     """One compiled chunk of decode steps over the first `rows` slots; its outputs on the host."""
@@ -459,30 +439,35 @@ class Engine:
     self._observe("prefill", time.perf_counter() - start, sum(len(r.prompt) for r in requests))
     self.stats["prefill_calls"] += 1
     for row, (request, slot) in enumerate(zip(requests, slots)):
-      n = len(request.prompt)
-      self.stats["requests"] += 1
-      self.stats["prefill_tokens"] += n
-      if request.prompt_logprobs:
-        prompt_top = _pairs(out["prompt_top_ids"][row, : n - 1], out["prompt_top_values"][row, : n - 1])
-        prompt_logprobs = out["prompt_logprob"][row, : n - 1].tolist()
-        output = Output([], prompt_logprobs=prompt_logprobs, prompt_top_logprobs=prompt_top)
-        if request.max_tokens == 0:
-          output.finish_reason = "length"
-        self._deliver(request, output)
+      self._start(request, slot, out, row)
+
+  def _start(self, request: Request, slot: int, out: dict, row: int) -> None:
+    """A prefilled request (row `row` of a prefill's outputs `out`) starts in `slot`: its first token handed out, or
+    with max_tokens 0 it ends there, with its prompt's log-probabilities when asked. Both prefill paths end here."""
+    n = len(request.prompt)
+    self.stats["requests"] += 1
+    self.stats["prefill_tokens"] += n
+    if request.prompt_logprobs:
+      prompt_top = _pairs(out["prompt_top_ids"][row, : n - 1], out["prompt_top_values"][row, : n - 1])
+      prompt_logprobs = out["prompt_logprob"][row, : n - 1].tolist()
+      output = Output([], prompt_logprobs=prompt_logprobs, prompt_top_logprobs=prompt_top)
       if request.max_tokens == 0:
-        request.finished = True
-        self.stats["finished_length"] += 1
-        if not request.prompt_logprobs:
-          self._deliver(request, Output([], finish_reason="length"))
-        continue
-      self._slot_requests[slot] = request
-      logprobs = top = None
-      if request.logprobs:
-        logprobs, top = (
-          [float(out["logprob"][row])],
-          _pairs(out["top_ids"][row : row + 1], out["top_values"][row : row + 1]),
-        )
-      self._hand_out(slot, request, [int(out["token"][row])], logprobs, top)
+        output.finish_reason = "length"
+      self._deliver(request, output)
+    if request.max_tokens == 0:
+      request.finished = True
+      self.stats["finished_length"] += 1
+      if not request.prompt_logprobs:
+        self._deliver(request, Output([], finish_reason="length"))
+      return
+    self._slot_requests[slot] = request
+    logprobs = top = None
+    if request.logprobs:
+      logprobs, top = (
+        [float(out["logprob"][row])],
+        _pairs(out["top_ids"][row : row + 1], out["top_values"][row : row + 1]),
+      )
+    self._hand_out(slot, request, [int(out["token"][row])], logprobs, top)
 
   def _finish(self, slot: int, reason: str, eos=None) -> None:
     request = self._slot_requests[slot]
