@@ -1,5 +1,5 @@
 """Attention forward + backward on CPU by sequence length: the one-device kernels ("xla": whole [T, T] scores;
-"chunked": by query chunks) and context parallelism (all-gather and ring) over 2 and 4 simulated devices.
+"chunked": by query chunks) and context parallelism (all-gather, ring and zigzag ring) over 2 and 4 simulated devices.
 
     python bench/attention.py --json bench_attention.json          # T = 1,024, 4,096, 16,384 (a quiet machine)
     python bench/attention.py --lengths 256 --repeats 1             # smoke run (seconds)
@@ -10,7 +10,9 @@ One sequence, 8 query heads sharing 4 kv heads of 64 (GQA), float32, packed as o
 wall time of jitted grad(sum(attention · w)) over q, k, v; memory is XLA's temporaries per device of that compiled
 program (the compiler's plan; nothing is run to measure it). The simulated devices share this machine's cores, so
 the context rows show what splitting the sequence costs in exchanges and bookkeeping on the same silicon, not the
-speed-up real devices would give; their memory column is what each device would hold. A row whose temporaries
+speed-up real devices would give, and the zigzag row against the ring's shows the masked work it skips (the zigzag
+row includes moving q, k, v into its layout and the output back, which a model does once per step, not per layer);
+their memory column is what each device would hold. A row whose temporaries
 exceed --max_gib is compiled (memory reported) but not run. On a GPU the cuDNN fused kernel (what "auto" picks
 there) gets a row, and context rows need as many devices as they split over. With --dtype other than float32, each
 row also reports its output's largest difference from the chunked kernel's in float32 on the same (rounded) inputs.
@@ -32,6 +34,7 @@ from timing import cpu_name, median_seconds  # noqa: E402
 
 from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES  # noqa: E402
 from llama_jax.model import attention as attention_lib  # noqa: E402
+from llama_jax.model import context as context_lib  # noqa: E402
 from llama_jax.model import sharding  # noqa: E402
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 8, 4, 64
@@ -74,6 +77,13 @@ def measure(kernel, length: int, devices: int, repeats: int, max_gib: float, dty
   return row
 
 
+def zigzag(q, k, v):
+  """Zigzag context attention on natural-layout inputs: into the layout, attended, the output back."""
+  to = lambda x: context_lib.to_zigzag(x, ("activation_batch", "activation_length", None, None))  # noqa: E731
+  out = context_lib.context_attention(to(q), to(k), to(v), strategy="zigzag")
+  return context_lib.from_zigzag(out, ("activation_batch", "activation_length", None, None))
+
+
 def reference_output(length: int, dtype) -> jax.Array:
   """The chunked kernel's output (tested equal to the whole-matrix one; memory ∝ T · chunk) computed in float32 from
   the same `dtype`-rounded inputs: the difference is the kernel's arithmetic, not the inputs' rounding."""
@@ -93,8 +103,9 @@ def main() -> None:
   kernels = {
     "xla": (lambda q, k, v: attention_lib.xla_attention(q, k, v), (1,)),
     "chunked": (lambda q, k, v: attention_lib.chunked_attention(q, k, v), (1,)),
-    "context all_gather": (lambda q, k, v: attention_lib.attention(q, k, v, context_strategy="all_gather"), (2, 4)),
-    "context ring": (lambda q, k, v: attention_lib.attention(q, k, v, context_strategy="ring"), (2, 4)),
+    "context all_gather": (lambda q, k, v: context_lib.context_attention(q, k, v, strategy="all_gather"), (2, 4)),
+    "context ring": (lambda q, k, v: context_lib.context_attention(q, k, v, strategy="ring"), (2, 4)),
+    "context zigzag": (zigzag, (2, 4)),
   }
   if jax.default_backend() == "gpu":
     kernels["cudnn"] = (lambda q, k, v: attention_lib.attention(q, k, v, implementation="cudnn"), (1,))

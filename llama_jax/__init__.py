@@ -30,7 +30,7 @@ _PUBLIC = {
   "run_config_from": "llama_jax.core.run_config",
   "LlamaJaxError": "llama_jax.core.errors",
   "Llama": "llama_jax.model.llama",
-  "KVCache": "llama_jax.model.llama",
+  "KVCache": "llama_jax.model.kv_cache",
   "Tokenizer": "llama_jax.data.tokenizer",
   "load_params": "llama_jax.checkpoint.params",
   "Trainer": "llama_jax.training.trainer",

@@ -16,7 +16,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
-CONTEXT_STRATEGIES = ("all_gather", "ring")
+CONTEXT_STRATEGIES = ("all_gather", "ring", "zigzag")
 QUANTIZE_MODES = ("none", "int8")
 NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
@@ -118,7 +118,9 @@ class ModelConfig:
   # With mesh.context > 1 (each device holding a slice of every sequence), how attention sees the other slices' keys:
   # all_gather (every device gathers the whole sequence's keys and values once per layer; MaxText's default) | ring
   # (each device's block of keys and values passed round the ring by ppermute, one block per step, the softmax
-  # merged online: only two blocks alive per device).
+  # merged online: only two blocks alive per device) | zigzag (the ring on a layout that gives every device an early
+  # and a late chunk of the sequence, so that it computes only the causally visible half-blocks: n+1 blocks of
+  # scores per layer instead of 2n; needs 2 × mesh.context to divide train.seq_len). See model/context.py.
   context_strategy: str = "all_gather"
   # Tokens per chunk of the training and evaluation loss (0: the whole sequence at once). The LM head and the
   # cross-entropy run chunk by chunk, rematerialised in the backward pass, so the float32 logits [B, T, V] never exist

@@ -391,6 +391,13 @@ class RunConfig:
         f"mesh.context={self.mesh.context} must divide train.seq_len={self.train.seq_len} (each device holds an "
         "equal slice of every sequence)"
       )
+    if (
+      self.mesh.context > 1 and self.model.context_strategy == "zigzag" and self.train.seq_len % (2 * self.mesh.context)
+    ):
+      raise ConfigError(
+        f"model.context_strategy='zigzag' needs 2 × mesh.context={2 * self.mesh.context} to divide "
+        f"train.seq_len={self.train.seq_len} (each device holds two equal chunks of every sequence)"
+      )
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} is longer than model.max_seq_len "

@@ -18,7 +18,7 @@ from flax import nnx
 
 from llama_jax.inference.sampler import prefill_chunk_step
 from llama_jax.inference.sampling import sample_rows
-from llama_jax.model.llama import EMPTY_POSITION, KVCache
+from llama_jax.model.kv_cache import EMPTY_POSITION, KVCache
 
 # Top log-probabilities kept per token (OpenAI's completions API allows logprobs ≤ 5).
 TOP_LOGPROBS = 5

@@ -6,7 +6,7 @@ from llama_jax.core.lazy import exports
 
 _PUBLIC = {
   "Llama": "llama_jax.model.llama",
-  "KVCache": "llama_jax.model.llama",
+  "KVCache": "llama_jax.model.kv_cache",
   "unstack_layers": "llama_jax.model.layer_layout",
   "make_mesh": "llama_jax.model.sharding",
   "abstract_params": "llama_jax.model.sharding",

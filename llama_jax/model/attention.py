@@ -9,14 +9,13 @@ once: short or ragged sequences, and decoding). Axis legend as in llama.py.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.core.model_config import ATTENTION_IMPLS, CONTEXT_STRATEGIES
+from llama_jax.core.model_config import ATTENTION_IMPLS
 from llama_jax.model import sharding
 
 Array = jax.Array
@@ -82,17 +81,14 @@ def attention(
   q_positions: Array | None = None,
   kv_positions: Array | None = None,
   implementation: str = "auto",
-  context_strategy: str = "all_gather",
 ) -> Array:
   """Causal grouped-query attention; returns [B, T, N, H] in the dtype of q.
 
   Without positions, T == S and causality is by index (self-attention over one sequence, packed or not). With
   positions (decoding against a KV cache), key s is visible to query t when kv_positions[s] <= q_positions[t].
-  Segment ids restrict attention to equal ids (packed sequences; id 0 is padding). When the active mesh splits the
-  sequence (mesh.context > 1), self-attention runs per device by `context_strategy` (`context_attention`).
+  Segment ids restrict attention to equal ids (packed sequences; id 0 is padding). A sequence split over the
+  mesh's context axes takes context.py's kernels instead.
   """
-  if q_positions is None and sharding.context_axes()[1] > 1:
-    return context_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids=q_segment_ids, strategy=context_strategy)
   impl = choose_implementation(
     implementation,
     sharding.target_platform(),
@@ -171,142 +167,6 @@ def xla_attention(
   probs_BKGTS = softmax(scores_BKGTS).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(batch, q_len, n_heads, head_dim)
-
-
-def context_attention(
-  q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None, strategy: str = "all_gather"
-) -> Array:
-  """Causal self-attention (T == S) with the sequence split over the active mesh's context axes: device i holds
-  tokens [i·C, (i+1)·C) of every sequence (C = T / shards) and runs under ``shard_map``, batch and heads split as
-  the activations' rules say.
-
-  "all_gather": each device gathers the whole sequence's keys, values and segment ids (one all-gather per layer,
-  reduce-scattered in the backward pass) and attends its C queries to them, masked by global index: [C, T] scores,
-  1/shards of the unsplit [T, T], every device the same work. "ring": each device keeps its C queries and passes
-  its block of keys and values on to the next device (``ppermute``), one block per step for `shards` steps, merging
-  each block's softmax online (running max and sum, as flash attention does); [C, C] scores per step and two blocks
-  of keys alive, whatever the shard count. Both compute every block, the masked upper triangle included (static
-  shapes), so no device waits on another. Per block the XLA kernel runs, by query chunks when the sequence is
-  LONG_SEQUENCE tokens or more (`map_query_chunks`); no splash or cuDNN inside yet.
-  """
-  axes, shards = sharding.context_axes()
-  batch, q_len, n_heads, head_dim = q_BTNH.shape
-  if q_len % shards:
-    raise sharding.ShardingError(
-      f"the context axes {'×'.join(axes)} split sequences into {shards} slices, which does not divide their "
-      f"{q_len} tokens"
-    )
-  block = q_len // shards
-  if segment_ids is None:
-    segment_ids = jnp.ones((batch, q_len), jnp.int32)  # one segment: the mask is causal only
-
-  # Long sequences attend by query chunks of each slice, one at a time and rematerialised (as "chunked" does from
-  # LONG_SEQUENCE on): scores of `chunk` rows alive instead of the slice's. By the sequence's length, not the
-  # slice's: at 4,096 tokens on 4 devices, unchunked 1,024-token slices held 0.39 GiB of temporaries per device
-  # against 0.08 GiB for the chunked 2,048-token slices of 2 devices (bench/attention.py).
-  chunk = chunk_size(block) if q_len >= LONG_SEQUENCE else None
-
-  def gathered(q_BCNH, k_BCKH, v_BCKH, segments_BC):
-    first = jax.lax.axis_index(axes) * block
-    k_BSKH, v_BSKH, segments_BS = (
-      jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k_BCKH, v_BCKH, segments_BC)
-    )
-    kv_positions_BS = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), segments_BS.shape)
-
-    def attend(q_BRNH, segments_BR, start):
-      q_positions_BR = jnp.broadcast_to(start + jnp.arange(q_BRNH.shape[1], dtype=jnp.int32), segments_BR.shape)
-      return xla_attention(
-        q_BRNH,
-        k_BSKH,
-        v_BSKH,
-        q_segment_ids=segments_BR,
-        kv_segment_ids=segments_BS,
-        q_positions=q_positions_BR,
-        kv_positions=kv_positions_BS,
-      )
-
-    if chunk is None:
-      return attend(q_BCNH, segments_BC, first)
-    return map_query_chunks(attend, q_BCNH, segments_BC, chunk, first)
-
-  def ring(q_BCNH, k_BCKH, v_BCKH, segments_BC):
-    index = jax.lax.axis_index(axes)
-    b, n_kv_heads = q_BCNH.shape[0], k_BCKH.shape[2]
-    q_BCKGH = q_BCNH.reshape(b, block, n_kv_heads, -1, head_dim)
-    groups = q_BCKGH.shape[3]
-    q_index_BC = jnp.broadcast_to(index * block + jnp.arange(block, dtype=jnp.int32), segments_BC.shape)
-    to_next = [(i, (i + 1) % shards) for i in range(shards)]
-
-    def merge_rows(rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S):
-      """One block of keys merged into some query rows' running (max, sum, output) [B, K, G, R(, H)]."""
-      q_BRKGH, q_index_BR, segments_BR, (max_BKGR, sum_BKGR, out_BKGRH) = rows
-      scores_BKGRS = jnp.einsum("BRKGH,BSKH->BKGRS", q_BRKGH, k_BSKH, preferred_element_type=jnp.float32)
-      scores_BKGRS = scores_BKGRS * (1.0 / np.sqrt(head_dim))
-      visible_BRS = (kv_index_S[None, None, :] <= q_index_BR[:, :, None]) & (
-        segments_BR[:, :, None] == kv_segments_BS[:, None, :]
-      )
-      scores_BKGRS = jnp.where(visible_BRS[:, None, None], scores_BKGRS, MASK_VALUE)
-      new_max_BKGR = jnp.maximum(max_BKGR, scores_BKGRS.max(axis=-1))
-      probs_BKGRS = jnp.exp(scores_BKGRS - new_max_BKGR[..., None])
-      rescale_BKGR = jnp.exp(max_BKGR - new_max_BKGR)
-      sum_BKGR = sum_BKGR * rescale_BKGR + probs_BKGRS.sum(axis=-1)
-      out_BKGRH = out_BKGRH * rescale_BKGR[..., None] + jnp.einsum(
-        "BKGRS,BSKH->BKGRH", probs_BKGRS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
-      )
-      return new_max_BKGR, sum_BKGR, out_BKGRH
-
-    # Each block's merge is rematerialised in the backward pass: only the running (max, sum, output) of each step
-    # are kept, not its [C, C] scores (TPU compiler, 8,192 tokens on context=4, unchunked: temporaries 0.32 → 0.21
-    # of one chip's).
-    @functools.partial(jax.checkpoint, static_argnums=(0,))
-    def merge_block(step, running, k_BSKH, v_BSKH, kv_segments_BS):
-      # Step 0 is the device's own block, where every query sees itself: the running max is a real score from
-      # then on, so a later fully masked block adds exp(MASK_VALUE - max) = 0.
-      kv_index_S = ((index - step) % shards) * block + jnp.arange(block, dtype=jnp.int32)
-      rows = (q_BCKGH, q_index_BC, segments_BC, running)
-      if chunk is None:
-        return merge_rows(rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S)
-      # Query rows (axis 1 of q, ids and positions; axis 3 of the running state) in chunks, one at a time.
-      n = block // chunk
-      split = lambda x, axis: jnp.moveaxis(x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1 :]), axis, 0)  # noqa: E731
-      joined = lambda x, axis: jnp.moveaxis(x, 0, axis).reshape(*x.shape[1 : axis + 1], block, *x.shape[axis + 2 :])  # noqa: E731
-      chunks = (split(q_BCKGH, 1), split(q_index_BC, 1), split(segments_BC, 1), tuple(split(r, 3) for r in running))
-      merged = jax.lax.map(
-        jax.checkpoint(lambda rows: merge_rows(rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S)), chunks
-      )
-      return tuple(joined(r, 3) for r in merged)
-
-    # Running max, softmax denominator and unnormalised output of each query row, in float32.
-    running = (
-      jnp.full((b, n_kv_heads, groups, block), MASK_VALUE, jnp.float32),
-      jnp.zeros((b, n_kv_heads, groups, block), jnp.float32),
-      jnp.zeros((b, n_kv_heads, groups, block, head_dim), jnp.float32),
-    )
-    kv = (k_BCKH, v_BCKH, segments_BC)
-    for step in range(shards):
-      running = merge_block(step, running, *kv)
-      if step < shards - 1:
-        kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)
-    _, sum_BKGC, out_BKGCH = running
-    out_BKGCH = out_BKGCH / sum_BKGC[..., None]
-    return out_BKGCH.transpose(0, 3, 1, 2, 4).reshape(q_BCNH.shape).astype(q_BCNH.dtype)
-
-  if strategy not in CONTEXT_STRATEGIES:
-    raise ValueError(f"context strategy must be one of {', '.join(CONTEXT_STRATEGIES)}; got {strategy!r}")
-  specs = sharding.active_specs(
-    {
-      "q": ("activation_batch", "activation_length", "activation_heads", None),
-      "kv": ("activation_batch", "activation_length", "activation_kv_heads", None),
-      "seg": ("activation_batch", "activation_length"),
-    }
-  )
-  run = jax.shard_map(
-    gathered if strategy == "all_gather" else ring,
-    in_specs=(specs["q"], specs["kv"], specs["kv"], specs["seg"]),
-    out_specs=specs["q"],
-    check_vma=False,
-  )
-  return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
 
 
 def cached_attention(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, *, q_positions: Array, kv_positions: Array) -> Array:

@@ -28,9 +28,11 @@ from flax import nnx
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
 from llama_jax.model import attention as attention_lib
+from llama_jax.model import context as context_lib
 from llama_jax.model import layer_layout, quantize, sharding
 from llama_jax.model import lora as lora_lib
 from llama_jax.model import moe as moe_lib
+from llama_jax.model.kv_cache import EMPTY_POSITION, KVCache, LayerCache
 from llama_jax.model.rope import RotaryEmbedding
 
 Array = jax.Array
@@ -175,15 +177,19 @@ class Attention(nnx.Module):
   def __call__(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> Array:
     """Output [B, T, D]: each query attends to the earlier tokens of this call with its segment id."""
     q_BTNH, k_BTKH, v_BTKH = self.rotated_qkv(x_BTD, positions_BT)
-    out_BTNH = attention_lib.attention(
-      q_BTNH,
-      k_BTKH,
-      v_BTKH,
-      q_segment_ids=segment_ids_BT,
-      kv_segment_ids=segment_ids_BT,
-      implementation=self.cfg.attention,
-      context_strategy=self.cfg.context_strategy,
-    )
+    if sharding.context_axes()[1] > 1:  # the sequence is split over the mesh's context axes
+      out_BTNH = context_lib.context_attention(
+        q_BTNH, k_BTKH, v_BTKH, segment_ids=segment_ids_BT, strategy=self.cfg.context_strategy
+      )
+    else:
+      out_BTNH = attention_lib.attention(
+        q_BTNH,
+        k_BTKH,
+        v_BTKH,
+        q_segment_ids=segment_ids_BT,
+        kv_segment_ids=segment_ids_BT,
+        implementation=self.cfg.attention,
+      )
     return self.output_projection(out_BTNH)
 
   @jax.named_scope("attention")
@@ -380,52 +386,6 @@ def _stack_rows(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
   return jax.tree.map(lambda *r: jnp.stack(r), *rows) if rows else {}
 
 
-# Position stored in empty cache slots: larger than any query position, so the causal test hides them.
-EMPTY_POSITION = 2**30
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerCache:
-  """One layer's view of the KV cache: either the stacked k, v [L, B, K, S, H] and this layer's index in them, or
-  (layer None) the layer's own k, v [B, K, S, H]; slot positions [B, S]; the next slot to write."""
-
-  k: Array
-  v: Array
-  layer: Array | int | None
-  positions: Array
-  index: Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-  """The decoding cache, an explicit pytree passed in and returned (never module state).
-
-  k, v: rotated keys and values, [L, B, K, S, H] for the stacked model (its layer scan indexes them), or a tuple of
-  L buffers [B, K, S, H] (`per_layer`, for ``Llama(stacked_layers=False)``: each layer then reads and updates its own
-  buffers in place, with no slice copied per step). S is the slot axis; [K, S, H] is the layout the attention
-  products read without a transpose. positions: [B, S] the position of the token in each slot (EMPTY_POSITION where
-  empty or padding); index: int32 scalar, the next slot to write.
-  """
-
-  k: Array | tuple[Array, ...]
-  v: Array | tuple[Array, ...]
-  positions: Array
-  index: Array
-
-  @classmethod
-  def empty(cls, cfg: ModelConfig, batch: int, length: int, per_layer: bool = False) -> KVCache:
-    shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
-    if per_layer:
-      k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
-      v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.n_layers))
-    else:
-      k = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
-      v = jnp.zeros((cfg.n_layers, *shape), cfg.dtype)
-    return cls(k=k, v=v, positions=jnp.full((batch, length), EMPTY_POSITION, jnp.int32), index=jnp.zeros((), jnp.int32))
-
-
 _REMAT_POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
   "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -496,10 +456,24 @@ class Llama(nnx.Module):
     """(`hidden`'s residual stream [B, T, D], router sums [L_moe, ...] of a mixture of experts (moe.router_sums, one
     row per MoE block; an empty dict for a dense model)): what the training objective reads for its balance
     losses."""
-    cfg = self.cfg
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-    x_BTD = self.embed_tokens(tokens_BT)
+    # Zigzag context parallelism runs the blocks on the zigzag layout (context.py): the ids and positions go there
+    # before the embedding, and the residual stream comes back after the last block.
+    zigzag = self.cfg.context_strategy == "zigzag" and sharding.context_axes()[1] > 1
+    if zigzag:
+      tokens_BT, positions_BT, segment_ids_BT = (
+        context_lib.to_zigzag(x, ("activation_batch", "activation_length"))
+        for x in (tokens_BT, positions_BT, segment_ids_BT)
+      )
+    x_BTD, router = self._blocks(self.embed_tokens(tokens_BT), positions_BT, segment_ids_BT)
+    if zigzag:
+      x_BTD = context_lib.from_zigzag(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+    return x_BTD, router
+
+  def _blocks(self, x_BTD: Array, positions_BT: Array, segment_ids_BT: Array | None) -> tuple[Array, dict[str, Array]]:
+    """The residual stream through every block, and the router sums (`forward`)."""
+    cfg = self.cfg
     if not self.stacked:
       per_layer = []
       for block in self.layers:

@@ -68,6 +68,11 @@ CONTEXT_CASES = {
     dict(data=1, fsdp=1, context=4, tensor=1),
     dict(CONTEXT_MODEL, context_strategy="ring"),
   ),
+  "v5p-8/context4_zigzag_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=1, context=4, tensor=1),
+    dict(CONTEXT_MODEL, context_strategy="zigzag"),
+  ),
 }
 
 

@@ -1,6 +1,9 @@
 """On 8 simulated devices: context parallelism (each sequence split over the `context` mesh axis, attention's keys
-and values exchanged by all-gather or round a ring of ppermutes) gives one device's loss and gradients, alone and
-composed with fsdp, tensor and data; training steps and a checkpoint carried across a changed context axis too."""
+and values exchanged by all-gather or round a ring of ppermutes, on the natural or the zigzag layout) gives one
+device's loss and gradients, alone and composed with fsdp, tensor and data; training steps and a checkpoint carried
+across a changed context axis too; zigzag skips the masked work the plain ring computes."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ from llama_jax.core.checks import ConfigError
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import DEFAULT_LOGICAL_AXIS_RULES
 from llama_jax.model import attention as attention_lib
+from llama_jax.model import context as context_lib
 from llama_jax.model import loss as loss_lib
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
@@ -30,7 +34,7 @@ MESHES = {
   "context2_fsdp4": dict(data=1, fsdp=4, context=2, tensor=1),
   "context2_tensor2_data2": dict(data=2, fsdp=1, context=2, tensor=2),
 }
-STRATEGIES = ("all_gather", "ring")
+STRATEGIES = model_config_lib.CONTEXT_STRATEGIES
 TOL = 1e-5
 
 
@@ -84,7 +88,7 @@ def test_context_parallel_loss_and_gradients_equal_one_device(reference, mesh_na
     assert np.abs(got - expected).max() <= TOL * scale, jax.tree_util.keystr(path)
   # The exchange each strategy promises: the ring passes blocks on by collective-permute (forward, and back in the
   # gradient), the all-gather strategy gathers them (and reduce-scatters their gradient).
-  if strategy == "ring":
+  if strategy != "all_gather":
     assert hlo.count("collective-permute(") >= 2 * (MESHES[mesh_name]["context"] - 1)
   else:
     assert "all-gather(" in hlo
@@ -112,7 +116,14 @@ def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_th
     return lambda q, k, v, s: jnp.sum(kernel(q, k, v, s) * weights)
 
   one = lambda q, k, v, s: attention_lib.xla_attention(q, k, v, q_segment_ids=s, kv_segment_ids=s)  # noqa: E731
-  split = lambda q, k, v, s: attention_lib.attention(q, k, v, q_segment_ids=s, context_strategy=strategy)  # noqa: E731
+
+  def split(q, k, v, s):
+    if strategy != "zigzag":
+      return context_lib.context_attention(q, k, v, segment_ids=s, strategy=strategy)
+    zig = lambda x: context_lib.to_zigzag(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 2))  # noqa: E731
+    out = context_lib.context_attention(zig(q), zig(k), zig(v), segment_ids=zig(s), strategy=strategy)
+    return context_lib.from_zigzag(out, ("activation_batch", "activation_length", None, None))
+
   expected = one(q, k, v, segments)
   expected_grads = jax.grad(objective(one), argnums=(0, 1, 2))(q, k, v, segments)
   mesh = sharding.make_mesh(dict(data=2, fsdp=1, context=4, tensor=1))
@@ -166,5 +177,46 @@ def test_training_steps_with_context_2_match_one_device_and_a_checkpoint_moves_t
 def test_a_context_axis_that_does_not_divide_the_sequence_is_one_line():
   with pytest.raises(ConfigError, match=r"mesh.context=3 must divide train.seq_len=32"):
     run_config_lib.run_config_from(run_config(dict(fsdp=1, context=3)))
-  with pytest.raises(ConfigError, match=r"context_strategy must be one of all_gather, ring; got 'ulysses'"):
+  with pytest.raises(ConfigError, match=r"zigzag' needs 2 × mesh.context=64 to divide train.seq_len=32"):
+    run_config_lib.run_config_from(run_config(dict(fsdp=1, context=32), context_strategy="zigzag"))
+  with pytest.raises(ConfigError, match=r"context_strategy must be one of all_gather, ring, zigzag; got 'ulysses'"):
     ModelConfig(context_strategy="ulysses")
+
+
+@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=1, context=8, tensor=1), dict(data=2, fsdp=1, context=4, tensor=1)])
+def test_the_zigzag_layout_gives_device_i_chunks_i_and_2n_minus_1_minus_i_and_its_inverse_restores_the_order(mesh):
+  shards = mesh["context"]
+  tokens = np.arange(4 * 32).reshape(4, 32) % 32
+  axes = ("activation_batch", "activation_length")
+  device_mesh = sharding.make_mesh(mesh)
+  with sharding.activate(device_mesh, RULES):
+    placed = shard_batch(tokens, device_mesh, RULES, axes)
+    zig = jax.jit(lambda x: context_lib.to_zigzag(x, axes))(placed)
+    back = jax.jit(lambda x: context_lib.from_zigzag(x, axes))(zig)
+  half = 32 // (2 * shards)
+  chunks = [list(range(c * half, (c + 1) * half)) for c in range(2 * shards)]
+  expected = sum((chunks[i] + chunks[2 * shards - 1 - i] for i in range(shards)), [])
+  np.testing.assert_array_equal(np.asarray(zig), np.broadcast_to(expected, tokens.shape))
+  np.testing.assert_array_equal(np.asarray(back), tokens)
+  assert {shard.data.shape[1] for shard in zig.addressable_shards} == {32 // shards}  # still split, never gathered
+
+
+def test_zigzag_computes_n_plus_1_of_the_ring_s_2n_blocks_of_scores():
+  """On context=4 the ring computes all 4 blocks of every device's row of the [T, T] scores (the masked ones too);
+  zigzag its own block and then half a block per step: (4 + 1) / 8 of the ring's work, by the compiler's count of
+  the forward's FLOPs (unchunked: XLA's cost analysis counts a loop's body once)."""
+  rs = np.random.RandomState(2)
+  q = rs.normal(size=(2, 512, 4, 16)).astype(np.float32)
+  k, v = (rs.normal(size=(2, 512, 2, 16)).astype(np.float32) for _ in range(2))
+  mesh = sharding.make_mesh(dict(data=2, fsdp=1, context=4, tensor=1))
+  flops = {}
+  with sharding.activate(mesh, RULES):
+    placed = [
+      shard_batch(x, mesh, RULES, ("activation_batch", "activation_length", axis, None))
+      for x, axis in ((q, "activation_heads"), (k, "activation_kv_heads"), (v, "activation_kv_heads"))
+    ]
+    for strategy in ("ring", "zigzag"):
+      kernel = functools.partial(context_lib.context_attention, strategy=strategy)
+      cost = jax.jit(kernel).lower(*placed).compile().cost_analysis()
+      flops[strategy] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  assert flops["zigzag"] / flops["ring"] == pytest.approx(5 / 8, rel=0.05), flops

@@ -1,0 +1,249 @@
+"""Context parallelism: causal self-attention with every sequence split over the active mesh's context axes (the
+mesh axes the rules map "activation_length" to), each device holding one slice and running under ``shard_map``,
+batch and heads split as the activations' rules say. Axis legend as in llama.py; C is a device's slice of T.
+
+Strategies (``model.context_strategy``):
+- "all_gather": each device gathers the whole sequence's keys, values and segment ids (one all-gather per layer,
+  reduce-scattered in the backward pass) and attends its C queries to them, masked by global index: [C, T] scores,
+  1/n of the unsplit [T, T], every device the same work.
+- "ring": each device keeps its C queries and passes its block of keys and values on to the next device
+  (``ppermute``), one block per step for n steps, merging each block's softmax online (running max and sum, as flash
+  attention does); [C, C] scores per step and two blocks of keys alive, whatever n. Device i holds tokens
+  [i·C, (i+1)·C), so under the causal mask half of all blocks are invisible; every device still computes every block
+  (the mask applied, static shapes), or the devices holding late tokens would keep the others waiting.
+- "zigzag": the ring on the zigzag layout, in which the sequence is cut into 2n chunks and device i holds chunks i
+  and 2n-1-i (one early, one late). Every device then has the same visible work at every step, and only that is
+  computed: after its own block, a device attends all its queries to the first half of a block from an earlier
+  device, or its late chunk's queries to the whole block from a later device: half a block's scores per step, n+1
+  blocks' worth per layer instead of the ring's 2n. ``Llama.forward`` puts tokens, positions and segment ids in this
+  layout once per step (`to_zigzag`) and its residual stream back (`from_zigzag`): between them every other layer
+  is per token, and attention masks by the tokens' own indices, so the numbers are the natural layout's.
+
+Per block the XLA kernel runs, by query chunks when the sequence is LONG_SEQUENCE tokens or more
+(`attention.map_query_chunks`); no splash or cuDNN inside yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax.core.model_config import CONTEXT_STRATEGIES
+from llama_jax.model import attention as attention_lib
+from llama_jax.model import sharding
+
+Array = jax.Array
+
+
+def context_attention(
+  q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None, strategy: str = "all_gather"
+) -> Array:
+  """Causal self-attention (T == S) of a sequence split over the context axes, by `strategy` (module docstring);
+  "zigzag" takes and returns the zigzag layout (`to_zigzag`), the others the natural one."""
+  if strategy not in CONTEXT_STRATEGIES:
+    raise ValueError(f"context strategy must be one of {', '.join(CONTEXT_STRATEGIES)}; got {strategy!r}")
+  axes, shards = sharding.context_axes()
+  batch, q_len, n_heads, head_dim = q_BTNH.shape
+  pieces = 2 * shards if strategy == "zigzag" else shards
+  if q_len % pieces:
+    raise sharding.ShardingError(
+      f"the context axes {'×'.join(axes)} with strategy {strategy!r} cut sequences into {pieces} pieces, which "
+      f"does not divide their {q_len} tokens"
+    )
+  block = q_len // shards
+  if segment_ids is None:
+    segment_ids = jnp.ones((batch, q_len), jnp.int32)  # one segment: the mask is causal only
+
+  # Long sequences attend by query chunks of each slice, one at a time and rematerialised (as "chunked" does from
+  # LONG_SEQUENCE on): scores of `chunk` rows alive instead of the slice's. By the sequence's length, not the
+  # slice's: at 4,096 tokens on 4 devices, unchunked 1,024-token slices held 0.39 GiB of temporaries per device
+  # against 0.08 GiB for the chunked 2,048-token slices of 2 devices (bench/attention.py). Zigzag merges half
+  # slices too, so its chunk divides half a slice.
+  chunk = attention_lib.chunk_size(block) if q_len >= attention_lib.LONG_SEQUENCE else None
+  if chunk is not None and strategy == "zigzag" and (block // 2) % chunk:
+    chunk = attention_lib.chunk_size(block // 2)
+
+  def gathered(q_BCNH, k_BCKH, v_BCKH, segments_BC):
+    first = jax.lax.axis_index(axes) * block
+    k_BSKH, v_BSKH, segments_BS = (
+      jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k_BCKH, v_BCKH, segments_BC)
+    )
+    kv_positions_BS = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), segments_BS.shape)
+
+    def attend(q_BRNH, segments_BR, start):
+      q_positions_BR = jnp.broadcast_to(start + jnp.arange(q_BRNH.shape[1], dtype=jnp.int32), segments_BR.shape)
+      return attention_lib.xla_attention(
+        q_BRNH,
+        k_BSKH,
+        v_BSKH,
+        q_segment_ids=segments_BR,
+        kv_segment_ids=segments_BS,
+        q_positions=q_positions_BR,
+        kv_positions=kv_positions_BS,
+      )
+
+    if chunk is None:
+      return attend(q_BCNH, segments_BC, first)
+    return attention_lib.map_query_chunks(attend, q_BCNH, segments_BC, chunk, first)
+
+  def token_index(device):
+    """The global indices [C] of the tokens a device holds."""
+    if strategy != "zigzag":
+      return device * block + jnp.arange(block, dtype=jnp.int32)
+    half = jnp.arange(block // 2, dtype=jnp.int32)
+    return jnp.concatenate([device * (block // 2) + half, (2 * shards - 1 - device) * (block // 2) + half])
+
+  def ring(q_BCNH, k_BCKH, v_BCKH, segments_BC):
+    index = jax.lax.axis_index(axes)
+    b, n_kv_heads = q_BCNH.shape[0], k_BCKH.shape[2]
+    q_BCKGH = q_BCNH.reshape(b, block, n_kv_heads, -1, head_dim)
+    groups = q_BCKGH.shape[3]
+    q_index_BC = jnp.broadcast_to(token_index(index), segments_BC.shape)
+    to_next = [(i, (i + 1) % shards) for i in range(shards)]
+
+    def merge_rows(rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S):
+      """One block of keys merged into some query rows' running (max, sum, output) [B, K, G, R(, H)]."""
+      q_BRKGH, q_index_BR, segments_BR, (max_BKGR, sum_BKGR, out_BKGRH) = rows
+      scores_BKGRS = jnp.einsum("BRKGH,BSKH->BKGRS", q_BRKGH, k_BSKH, preferred_element_type=jnp.float32)
+      scores_BKGRS = scores_BKGRS * (1.0 / np.sqrt(head_dim))
+      visible_BRS = (kv_index_S[None, None, :] <= q_index_BR[:, :, None]) & (
+        segments_BR[:, :, None] == kv_segments_BS[:, None, :]
+      )
+      scores_BKGRS = jnp.where(visible_BRS[:, None, None], scores_BKGRS, attention_lib.MASK_VALUE)
+      new_max_BKGR = jnp.maximum(max_BKGR, scores_BKGRS.max(axis=-1))
+      probs_BKGRS = jnp.exp(scores_BKGRS - new_max_BKGR[..., None])
+      rescale_BKGR = jnp.exp(max_BKGR - new_max_BKGR)
+      sum_BKGR = sum_BKGR * rescale_BKGR + probs_BKGRS.sum(axis=-1)
+      out_BKGRH = out_BKGRH * rescale_BKGR[..., None] + jnp.einsum(
+        "BKGRS,BSKH->BKGRH", probs_BKGRS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
+      )
+      return new_max_BKGR, sum_BKGR, out_BKGRH
+
+    def merge(rows, *kv):
+      """`merge_rows`, by query chunks (axis 1 of q, ids and positions; axis 3 of the running state), one at a time,
+      when the sequence is long."""
+      if chunk is None:
+        return merge_rows(rows, *kv)
+      n = rows[0].shape[1] // chunk
+      split = lambda x, axis: jnp.moveaxis(x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1 :]), axis, 0)  # noqa: E731
+      joined = lambda x, axis: jnp.moveaxis(x, 0, axis).reshape(*x.shape[1 : axis + 1], -1, *x.shape[axis + 2 :])  # noqa: E731
+      q_BRKGH, q_index_BR, segments_BR, running = rows
+      chunks = (split(q_BRKGH, 1), split(q_index_BR, 1), split(segments_BR, 1), tuple(split(r, 3) for r in running))
+      merged = jax.lax.map(jax.checkpoint(lambda rows: merge_rows(rows, *kv)), chunks)
+      return tuple(joined(r, 3) for r in merged)
+
+    # Each block's merge is rematerialised in the backward pass: only the running (max, sum, output) of each step
+    # are kept, not its [C, C] scores (TPU compiler, 8,192 tokens on context=4, unchunked: temporaries 0.32 → 0.21
+    # of one chip's).
+    @functools.partial(jax.checkpoint, static_argnums=(0,))
+    def merge_block(step, running, k_BSKH, v_BSKH, kv_segments_BS):
+      # Step 0 is the device's own block, where every query sees itself: the running max is a real score from
+      # then on, so a later fully masked block adds exp(MASK_VALUE - max) = 0.
+      source = (index - step) % shards
+      kv = (k_BSKH, v_BSKH, kv_segments_BS, token_index(source))
+      rows = (q_BCKGH, q_index_BC, segments_BC, running)
+      if strategy != "zigzag" or step == 0:
+        return merge(rows, *kv)
+      # From an earlier device (source < index) the visible half is its early chunk against all this device's
+      # queries; from a later one, its whole block against this device's late chunk. Both are two [C/2, C/2]
+      # merges with one in common, the late queries against the early keys; the other pairs early queries with
+      # early keys, or late with late: the same slice offset of queries and keys, chosen on device. (A lax.cond
+      # between the two cases kept both cases' residuals for the backward pass: 0.50 of one chip's activations
+      # against the ring's 0.32, TPU compiler, 8,192 tokens on context=4.)
+      half = block // 2
+
+      def merge_slice(running, row_start, kv_start):
+        rows_at = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, row_start, half, axis)  # noqa: E731
+        rows = (rows_at(q_BCKGH, 1), rows_at(q_index_BC, 1), rows_at(segments_BC, 1), [rows_at(r, 3) for r in running])
+        keys = [jax.lax.dynamic_slice_in_dim(x, kv_start, half, 1) for x in (k_BSKH, v_BSKH, kv_segments_BS)]
+        merged = merge(rows, *keys, jax.lax.dynamic_slice_in_dim(kv[3], kv_start, half))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(r, m, row_start, 3) for r, m in zip(running, merged))
+
+      running = merge_slice(running, half, 0)
+      same = jnp.where(source < index, 0, half)
+      return merge_slice(running, same, same)
+
+    # Running max, softmax denominator and unnormalised output of each query row, in float32.
+    running = (
+      jnp.full((b, n_kv_heads, groups, block), attention_lib.MASK_VALUE, jnp.float32),
+      jnp.zeros((b, n_kv_heads, groups, block), jnp.float32),
+      jnp.zeros((b, n_kv_heads, groups, block, head_dim), jnp.float32),
+    )
+    kv = (k_BCKH, v_BCKH, segments_BC)
+    for step in range(shards):
+      running = merge_block(step, running, *kv)
+      if step < shards - 1:
+        kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)
+    _, sum_BKGC, out_BKGCH = running
+    out_BKGCH = out_BKGCH / sum_BKGC[..., None]
+    return out_BKGCH.transpose(0, 3, 1, 2, 4).reshape(q_BCNH.shape).astype(q_BCNH.dtype)
+
+  specs = sharding.active_specs(
+    {
+      "q": ("activation_batch", "activation_length", "activation_heads", None),
+      "kv": ("activation_batch", "activation_length", "activation_kv_heads", None),
+      "seg": ("activation_batch", "activation_length"),
+    }
+  )
+  run = jax.shard_map(
+    gathered if strategy == "all_gather" else ring,
+    in_specs=(specs["q"], specs["kv"], specs["kv"], specs["seg"]),
+    out_specs=specs["q"],
+    check_vma=False,
+  )
+  return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
+
+
+def _home(chunk: int, shards: int) -> int:
+  """The device that holds `chunk` (of 2·shards) in the zigzag layout: chunk i and chunk 2n-1-i on device i."""
+  return chunk if chunk < shards else 2 * shards - 1 - chunk
+
+
+def _move_chunks(x: Array | None, logical_axes: tuple[str | None, ...], inverse: bool) -> Array | None:
+  """`x` [B, T, ...], split over the context axes on its axis 1, from the natural layout (device d holds chunks 2d
+  and 2d+1) to the zigzag layout (device i holds chunks i and 2n-1-i), or back with `inverse`. Two ``ppermute``s of
+  half a slice each: every device's even chunk goes to one device and its odd chunk to another, and both sets of
+  destinations are permutations (chunk i and chunk 2n-1-i differ in parity)."""
+  axes, shards = sharding.context_axes()
+  if x is None or shards == 1:
+    return x
+  if x.shape[1] % (2 * shards):
+    raise sharding.ShardingError(
+      f"the zigzag layout cuts sequences into {2 * shards} chunks, which does not divide their {x.shape[1]} tokens"
+    )
+  even = [(d, _home(2 * d, shards)) for d in range(shards)]
+  odd = [(d, _home(2 * d + 1, shards)) for d in range(shards)]
+  if inverse:
+    even, odd = [(b, a) for a, b in even], [(b, a) for a, b in odd]
+
+  def local(x_BC):
+    half = x_BC.shape[1] // 2
+    first, second = x_BC[:, :half], x_BC[:, half:]
+    # On an even device of the zigzag layout the early chunk is the even one; on an odd device, the odd one.
+    even_device = jax.lax.axis_index(axes) % 2 == 0
+    if inverse:
+      first, second = jnp.where(even_device, first, second), jnp.where(even_device, second, first)
+    moved_even, moved_odd = jax.lax.ppermute(first, axes, even), jax.lax.ppermute(second, axes, odd)
+    if not inverse:
+      moved_even, moved_odd = (
+        jnp.where(even_device, moved_even, moved_odd),
+        jnp.where(even_device, moved_odd, moved_even),
+      )
+    return jnp.concatenate([moved_even, moved_odd], axis=1)
+
+  spec = sharding.active_specs({"x": logical_axes})["x"]
+  return jax.shard_map(local, in_specs=(spec,), out_specs=spec, check_vma=False)(x)
+
+
+def to_zigzag(x: Array | None, logical_axes: tuple[str | None, ...]) -> Array | None:
+  """`x` [B, T, ...] (sharded by `logical_axes`, T as "activation_length") in the zigzag layout; unchanged when the
+  sequence is not split."""
+  return _move_chunks(x, logical_axes, inverse=False)
+
+
+def from_zigzag(x: Array | None, logical_axes: tuple[str | None, ...]) -> Array | None:
+  """The inverse of `to_zigzag`."""
+  return _move_chunks(x, logical_axes, inverse=True)
