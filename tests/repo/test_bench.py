@@ -67,6 +67,8 @@ def test_attention_bench_smoke_runs_every_kernel_and_device_count(tmp_path):
     ("context all_gather", 4),
     ("context ring", 2),
     ("context ring", 4),
+    ("context zigzag", 2),
+    ("context zigzag", 4),
   ]
   assert all(row["seconds"] > 0 and row["temp_bytes_per_device"] > 0 for row in rows)
   assert all(0 < row["max_abs_error"] < 0.03 for row in rows), rows  # bf16 outputs of order 1: 2^-8 relative steps

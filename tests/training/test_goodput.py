@@ -89,9 +89,11 @@ def test_a_slow_data_source_shows_as_data_wait(tmp_path, small_tokenizer):
     assert accounted == pytest.approx(totals["wall_s"], rel=0.02)
   slow_goodput = json.loads((slow / "goodput.json").read_text())["goodput"]
   assert slow_goodput == pytest.approx((slow_totals["device_s"] - slow_totals["lost_s"]) / slow_totals["wall_s"])
-  assert (
-    windows["slow"][-1]["goodput"] <= slow_goodput + 1e-9
-  )  # the end of the run adds device time after the last line
+  # Each line carries the run's goodput so far: the data waits pull the slow run's below the fast run's. (The end
+  # of the run, after the last line, moves the final figure either way: down when that tail is mostly the final
+  # evaluation and save, 0.0152565 → 0.0152556 in a clean-clone run.)
+  for fast_window, slow_window in zip(windows["fast"], windows["slow"]):
+    assert 0 < slow_window["goodput"] < fast_window["goodput"] <= 1, (fast_window, slow_window)
 
 
 class FakeTime:
