@@ -29,10 +29,12 @@ collectives library does.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -206,3 +208,16 @@ def agree(flag: bool, rule: str) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
   flags = np.asarray(multihost_utils.process_allgather(np.int32(flag)))
   return bool(flags.all() if rule == "all" else flags.any())
+
+
+def gather_json(value: Any) -> list[Any]:
+  """Every process's `value` (JSON-serialisable), in process order, on every process: two collectives (the lengths,
+  then the bytes padded to the longest). `[value]` with one process. Every process must call it, at the same point."""
+  if jax.process_count() == 1:
+    return [value]
+  raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(raw)))).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[: len(raw)] = raw
+  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+  return [json.loads(row[:n].tobytes()) for row, n in zip(rows, lengths)]

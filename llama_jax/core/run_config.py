@@ -192,6 +192,15 @@ class DataConfig(Section):
   on_error: str = "skip"
   # Reused shards are always size-checked; True also checks each one's sha256 and all its token ids (a full read).
   verify: bool = False
+  # True: no preparation step; each process reads its own files, tokenized and packed in data.workers grain worker
+  # processes (0: in the training process), windows shuffled in a buffer of data.shuffle_window (data/streaming.py).
+  # Resumes exactly at the same process count and workers. Needs a tokenizer (data.tokenizer).
+  streaming: bool = False
+  workers: int = 0
+  shuffle_window: int = 1024
+  # Streaming: each window carries its documents' segment ids and positions, so attention stays inside a document
+  # (as packed SFT rows); False attends across document boundaries within a window, as prepared data does.
+  document_mask: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "sources", _sources(self.sources))
@@ -211,6 +220,14 @@ class DataConfig(Section):
         f"data.sources with weights (a mixture) are for data.format='text'; data.format={self.format!r} takes "
         f"plain sources"
       )
+    check_range("data.workers", self.workers, 0, 256)
+    check_range("data.shuffle_window", self.shuffle_window, 0)
+    if self.streaming and self.format != "text":
+      raise ConfigError(f"data.streaming is for data.format='text' (pretraining); got data.format={self.format!r}")
+    if self.streaming and self.prepared_dir:
+      raise ConfigError(f"data.streaming reads the sources directly: unset data.prepared_dir {self.prepared_dir!r}")
+    if self.document_mask and not self.streaming:
+      raise ConfigError("data.document_mask needs data.streaming=True (prepared text windows carry no documents)")
     if self.val_sources and self.format != "text":
       raise ConfigError(
         f"data.val_sources {self.val_sources!r} is not used with data.format={self.format!r}: conversations "

@@ -26,10 +26,14 @@ def batches_of(
   examples: grain.MapDataset, global_batch: int, process_index: int, process_count: int
 ) -> grain.MapDataset:
   """This process's rows of each global batch of an endless dataset of examples (see process_batches)."""
+  return examples.batch(local_batch(global_batch, process_count), drop_remainder=True)[process_index::process_count]
+
+
+def local_batch(global_batch: int, process_count: int) -> int:
+  """The rows of a global batch each process reads."""
   if global_batch % process_count:
     raise DataError(f"train.batch_size {global_batch} is not divisible by the {process_count} processes")
-  local = global_batch // process_count
-  return examples.batch(local, drop_remainder=True)[process_index::process_count]
+  return global_batch // process_count
 
 
 def eval_batches(

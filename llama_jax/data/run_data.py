@@ -13,7 +13,7 @@ import jax
 
 from llama_jax.core import distributed, paths
 from llama_jax.core.run_config import RunConfig
-from llama_jax.data import preference, sft, sources, text
+from llama_jax.data import preference, sft, sources, streaming, text
 from llama_jax.data.prepared import PackedRows
 from llama_jax.data.tokenizer import Tokenizer, TokenizerBase, train_tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir, load_tokenizer_path
@@ -61,7 +61,7 @@ def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[TokenizerBase
   is shared, or prepare their own copy."""
   data_cfg = run_config.data
   prepared_dir = data_cfg.prepared_dir or paths.local_dir(workdir, "data")
-  texts, prepare = _FORMATS[data_cfg.format]
+  texts, prepare = _FORMATS["streaming" if data_cfg.streaming else data_cfg.format]
   with distributed.main_process_first("data prepared by process 0"):
     tokenizer = load_tokenizer_for_run(run_config, workdir, lambda: texts(run_config))
     return tokenizer, prepare(run_config, tokenizer, prepared_dir)
@@ -112,6 +112,55 @@ def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: st
   if meta.get("skipped"):
     summary += f"; skipped {meta['skipped']:,} bad documents or damaged files, the first: {meta['problems'][0]}"
   return RunData(dataset, text.validation_windows(prepared_dir, train_cfg.seq_len), summary)
+
+
+def _no_texts(run_config: RunConfig) -> Iterator[str]:
+  raise sources.DataError(
+    f"data.streaming needs a tokenizer (training one would read the whole corpus first): set data.tokenizer to a "
+    f".model file, a tokenizer.json or a tokenizer directory; data.sources {list(run_config.data.specs)}"
+  )
+
+
+def _streamed_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: str) -> RunData:
+  """A streamed corpus (data.streaming): nothing prepared; validation files tokenized once, as far as evaluation
+  reads them."""
+  del prepared_dir
+  data_cfg, train_cfg = run_config.data, run_config.train
+  val_set, val_files = streaming.split_files(
+    data_cfg.specs, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
+  )
+  groups = [[spec] for spec in data_cfg.specs] if data_cfg.weights is not None else [list(data_cfg.specs)]
+  files = streaming.component_files(groups, val_set)
+  dataset = streaming.StreamingDataset(
+    files,
+    tokenizer,
+    seq_len=train_cfg.seq_len,
+    global_batch=train_cfg.batch_size,
+    seed=run_config.seed,
+    text_field=data_cfg.text_field,
+    weights=data_cfg.weights,
+    workers=data_cfg.workers,
+    shuffle_window=data_cfg.shuffle_window,
+    document_mask=data_cfg.document_mask,
+    on_error=data_cfg.on_error,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
+  windows = train_cfg.eval_batches * train_cfg.batch_size if train_cfg.eval_every else 1
+  val = streaming.validation_windows(
+    val_files, tokenizer, train_cfg.seq_len, windows, data_cfg.text_field, data_cfg.on_error
+  )
+  summary = (
+    f"streaming {sum(map(len, files)):,} files with {data_cfg.workers} workers per process "
+    f"(shuffle window {data_cfg.shuffle_window:,}), validation {len(val_files):,} files ({len(val):,} windows read)"
+  )
+  if data_cfg.weights is not None:
+    summary += (
+      " (mixture by windows: "
+      + ", ".join(f"{spec} {len(f):,} files × {w:.3g}" for spec, f, w in zip(data_cfg.specs, files, data_cfg.weights))
+      + ")"
+    )
+  return RunData(dataset, val, summary)
 
 
 def _conversation_texts(run_config: RunConfig) -> Iterator[str]:
@@ -167,4 +216,5 @@ _FORMATS = {
   "text": (_document_texts, _text_data),
   "chat": (_conversation_texts, _row_data),
   "preference": (_pair_texts, _row_data),
+  "streaming": (_no_texts, _streamed_data),
 }

@@ -142,19 +142,36 @@ def _local_files(spec: str) -> list[str] | None:
   return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)) or None
 
 
+def _is_shakespeare(spec: str) -> bool:
+  return spec == SHAKESPEARE or spec.startswith(SHAKESPEARE + ":")
+
+
+def _spec_files(spec: str) -> list[str]:
+  files = _remote_files(spec) if paths.is_remote(spec) else _local_files(spec)
+  if files is None:
+    raise DataError(f"data source {spec!r} does not exist (not a file, directory, glob match or 'shakespeare')")
+  return files
+
+
+def list_files(specs: Sequence[str]) -> list[str]:
+  """The files source specs name, in resolve_sources' order, each once, without opening any (a streaming run's
+  shards: listing a corpus costs nothing per document)."""
+  files: list[str] = []
+  for spec in specs:
+    files.extend([r.path for r in _shakespeare_refs(spec)] if _is_shakespeare(spec) else _spec_files(spec))
+  return list(dict.fromkeys(files))
+
+
 def resolve_sources(specs: Sequence[str], problems: list[str] | None = None) -> list[DocumentRef]:
   """Expands source specs into document references, in a fixed order; a spec matching nothing is an error. A file of
   records (JSONL, Parquet, ArrayRecord) gives one reference per record; a damaged one raises, or, given a `problems`
   list (data.on_error="skip"), is added to it and left out."""
   refs: list[DocumentRef] = []
   for spec in specs:
-    if spec == SHAKESPEARE or spec.startswith(SHAKESPEARE + ":"):
+    if _is_shakespeare(spec):
       refs.extend(_shakespeare_refs(spec))
       continue
-    files = _remote_files(spec) if paths.is_remote(spec) else _local_files(spec)
-    if files is None:
-      raise DataError(f"data source {spec!r} does not exist (not a file, directory, glob match or 'shakespeare')")
-    for path in files:
+    for path in _spec_files(spec):
       try:
         refs.extend(_file_refs(path))
       except DataError as e:

@@ -402,7 +402,12 @@ def _run_loop(
   if fine_tune_start and train_cfg.eval_every:
     with clock.measure("eval"):
       evaluator.run(0, state["params"])  # the starting point of a fine-tune, for a before/after comparison
-  loop.run()
+  try:
+    loop.run()
+  finally:
+    close = getattr(data_iter, "close", None)
+    if close is not None:  # grain's worker processes and their shared memory (data.workers), ended now, not at exit
+      close()
   writer.end_session(loop.step)
   return dict(step=loop.step, train=writer.last_train, val=evaluator.last)
 

