@@ -1,6 +1,7 @@
 """Two real JAX processes on one machine (loopback coordinator, 4 simulated CPU devices each) train like one process
 with 8 devices, write one checkpoint together, and a one-process rerun resumes from it; a SIGTERM to one of them stops
-both at the same step; joining and a dead peer end with an error instead of a hang."""
+both at the same step; joining and a dead peer end with an error instead of a hang; streamed data resumes exactly on
+2 processes."""
 
 import json
 import os
@@ -301,3 +302,30 @@ def test_two_processes_decode_one_mesh_like_one_process(tmp_path, small_tokenize
   assert printed[0] == single.stdout and single.stdout.count("-" * 40) == 2
   assert printed[1] == ""
   assert "of 8 cpu device(s)" in outputs[0][1]
+
+
+STREAMING = ["--config.data.streaming=True", "--config.data.shuffle_window=8", "--config.train.save_every=3"]
+
+
+def test_two_streaming_processes_read_their_own_files_and_resume_exactly(tmp_path, small_tokenizer):
+  """data.streaming on 2 processes (each reads its own file of the two: tests/data/test_streaming.py): the
+  checkpoint's data item holds both processes' states, a 2-process rerun from step 3 continues with exactly the
+  uninterrupted run's losses, and a 1-process resume is refused in one line."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  run_two_processes(straight, small_tokenizer, 6, *STREAMING)
+  run_two_processes(resumed, small_tokenizer, 3, *STREAMING)
+  with open(resumed / "checkpoints" / "3" / "data" / "metadata") as f:
+    state = json.load(f)
+  assert len(state["processes"]) == 2, state  # (the same positions: each process has read as far in its own file)
+  (out0, _), _ = run_two_processes(resumed, small_tokenizer, 6, *STREAMING)
+  assert "steps 3 → 6" in out0, out0
+  assert {s: losses(resumed)[s] for s in (4, 5, 6)} == {s: losses(straight)[s] for s in (4, 5, 6)}
+  one = subprocess.run(
+    train_command(resumed, small_tokenizer, 9, *STREAMING),
+    cwd=ROOT,
+    env=env_with_devices(8),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert one.returncode == 2 and "read by 2 processes with data.workers=0; this run has 1" in one.stderr, one.stderr
