@@ -4,7 +4,10 @@ bit, in the training process and with grain worker processes; a mixture's window
 killed streaming run resumes bit for bit; what a streaming run cannot do is refused in one line."""
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +19,8 @@ from llama_jax.data import text as text_lib
 from llama_jax.data.formats import DataError
 from llama_jax.data.sources import list_files
 from llama_jax.data.tokenizer import Tokenizer
-from tests.conftest import needs_shakespeare
+from tests import gcs_emulator
+from tests.conftest import ROOT, needs_shakespeare
 from tests.runs import assert_bit_identical, assert_one_line_error, assert_same_batches, final_checkpoint, run_train
 
 
@@ -218,3 +222,47 @@ def test_streamed_windows_are_the_prepared_windows_of_the_same_documents(tmp_pat
   for i, batch in enumerate(streamed):
     np.testing.assert_array_equal(batch["inputs"][0], prepared[i]["inputs"])
     np.testing.assert_array_equal(batch["targets"][0], prepared[i]["targets"])
+
+
+STREAM_READ = """
+import json, sys
+from llama_jax.data import streaming
+from llama_jax.data.sources import list_files
+from llama_jax.data.tokenizer import Tokenizer
+files = list_files([sys.argv[1]])
+data = streaming.StreamingDataset(
+  [files], Tokenizer(sys.argv[2]), seq_len=16, global_batch=4, seed=3, workers=int(sys.argv[3]), shuffle_window=8
+)
+iterator = iter(data)
+print(json.dumps([len(files)] + [next(iterator)["inputs"].tolist() for _ in range(6)]))
+iterator.close()
+"""
+
+
+def test_a_corpus_on_gs_streams_as_the_same_files_local_do(tmp_path, small_tokenizer):
+  """Three JSONL files on a real GCS emulator, streamed through 2 grain worker processes (which inherit the
+  emulator's settings): the same batches as the local copies give."""
+  local = tmp_path / "corpus"
+  local.mkdir()
+  paths = _jsonl_corpus(local, 3, 40)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+  def read(spec, extra_env):
+    result = subprocess.run(
+      [sys.executable, "-c", STREAM_READ, spec, small_tokenizer, "2"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      env={**env, **extra_env},
+      timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+  expected = read(str(local), {})
+  with gcs_emulator.running() as emulator:
+    for path in paths:
+      emulator.fs.put_file(path, f"{emulator.bucket}/corpus/{os.path.basename(path)}")
+    remote = read(emulator.uri("corpus", "*.jsonl"), emulator.env)
+  assert remote[0] == expected[0] == 3
+  assert remote == expected
