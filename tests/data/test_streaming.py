@@ -266,3 +266,15 @@ def test_a_corpus_on_gs_streams_as_the_same_files_local_do(tmp_path, small_token
     remote = read(emulator.uri("corpus", "*.jsonl"), emulator.env)
   assert remote[0] == expected[0] == 3
   assert remote == expected
+
+
+def test_a_bad_record_stops_the_stream_naming_it_or_is_skipped_and_reported_once(tmp_path, caplog):
+  (tmp_path / "a.jsonl").write_text('{"text": "one"}\nnot json\n{"body": "no text field"}\n{"text": "two"}\n')
+  shards = [streaming.Shard(str(tmp_path / "a.jsonl"))]
+  with pytest.raises(DataError, match=r"a\.jsonl:2: malformed JSON"):
+    _take(iter(streaming.ShardStream(shards, "text", 0, "stop", "test")), 2)
+  with caplog.at_level("WARNING", logger="llama_jax.data.streaming"):
+    texts = _take(iter(streaming.ShardStream(shards, "text", 0, "skip", "test")), 6)  # three passes
+  assert texts == ["one", "two"] * 3
+  warnings = [r.getMessage() for r in caplog.records]
+  assert len(warnings) == 2 and "a.jsonl:2" in warnings[0] and "a.jsonl:3" in warnings[1], warnings
