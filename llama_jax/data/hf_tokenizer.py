@@ -143,9 +143,12 @@ class HFTokenizer(TokenizerBase):
       shift += len(stretch)
     return ids, ends
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    """Encodes many texts on the tokenizers thread pool, without bos/eos."""
-    return [e.ids for e in self._tok.encode_batch(self._check_texts(texts), add_special_tokens=False)]
+  def encode_batch(self, texts: Sequence[str], threads: int = -1) -> list[list[int]]:
+    """Encodes many texts on the tokenizers thread pool (threads=1: on the calling thread), without bos/eos."""
+    texts = self._check_texts(texts)
+    if threads == 1:
+      return [self._tok.encode(text, add_special_tokens=False).ids for text in texts]
+    return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of a 1-d sequence of ids; special tokens decode to nothing (``skip_special_tokens``)."""

@@ -208,7 +208,7 @@ class _PackerIterator(grain.DatasetIterator):
     while len(texts) < GROUP_DOCUMENTS and chars < GROUP_CHARS:
       texts.append(next(self._parent))
       chars += len(texts[-1])
-    docs = [self.tokenizer.document_ids(ids) for ids in self.tokenizer.encode_batch(texts)]
+    docs = [self.tokenizer.document_ids(ids) for ids in self.tokenizer.encode_batch(texts, _encode_threads)]
     lengths = np.asarray([len(d) for d in docs])
     tokens = np.fromiter(itertools.chain.from_iterable(docs), np.int32, int(lengths.sum()))
     ends = np.cumsum(lengths)
@@ -344,7 +344,7 @@ class StreamingDataset:
     if workers:
       if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; a library caller (tests, bench) has none
         flags.FLAGS.mark_as_parsed()
-      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers), _end_with_parent)
+      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers), _worker_init)
     self.dataset = dataset
     self.workers, self.process_index, self.process_count = workers, process_index, process_count
 
@@ -352,11 +352,19 @@ class StreamingDataset:
     return ProcessStates(iter(self.dataset), self.workers, self.process_index, self.process_count)
 
 
-def _end_with_parent(worker_index: int, worker_count: int) -> None:
-  """Run in each grain worker: exit once the training process is gone. A SIGKILLed trainer otherwise left its workers
-  running, adopted by init, holding its memory and its output pipes (found by the SIGKILL test, which then never
-  ended); a rerun would have added more. Polled twice a second: a dead parent is noticed within 0.5 s."""
+_encode_threads = -1  # sentencepiece threads per encode_batch call: one per core, or 1 inside a worker process
+
+
+def _worker_init(worker_index: int, worker_count: int) -> None:
+  """Run in each grain worker before it reads. (1) Tokenize on one thread: the workers are the parallelism, and one
+  worker's encode_batch on sentencepiece's pool already took both cores of this machine part of the time, so a second
+  worker added 1.38× (bench/data.py); on a TPU VM host (224-240 vCPUs) data.workers pools of a thread per core each
+  would oversubscribe it. (2) Exit once the training process is gone: a SIGKILLed trainer otherwise left its workers
+  running, adopted by init, holding its memory and output pipes (found by the SIGKILL test, which then never ended);
+  polled twice a second."""
   del worker_index, worker_count
+  global _encode_threads
+  _encode_threads = 1
   parent = os.getppid()
 
   def watch() -> None:

@@ -217,9 +217,9 @@ class Tokenizer(TokenizerBase):
     by_text = {self.id_to_piece(i): i for i in self.special_ids}
     return by_text, re.compile("(" + "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) + ")")
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    """Encodes many texts on sentencepiece's thread pool, without bos/eos."""
-    return self._sp.encode(self._check_texts(texts), add_bos=False, add_eos=False)
+  def encode_batch(self, texts: Sequence[str], threads: int = -1) -> list[list[int]]:
+    """Encodes many texts on sentencepiece's thread pool (`threads` of it; -1: one per core), without bos/eos."""
+    return self._sp.encode(self._check_texts(texts), add_bos=False, add_eos=False, num_threads=threads)
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of a 1-d sequence of ids (list or array); control ids (bos, eos, pad) decode to nothing."""

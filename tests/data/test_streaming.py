@@ -17,8 +17,9 @@ from llama_jax.core.run_config import RunConfig
 from llama_jax.data import streaming
 from llama_jax.data import text as text_lib
 from llama_jax.data.formats import DataError
-from llama_jax.data.sources import list_files
+from llama_jax.data.sources import list_files, read_document, resolve_sources
 from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from tests import gcs_emulator
 from tests.conftest import ROOT, needs_shakespeare
 from tests.runs import assert_bit_identical, assert_one_line_error, assert_same_batches, final_checkpoint, run_train
@@ -278,3 +279,12 @@ def test_a_bad_record_stops_the_stream_naming_it_or_is_skipped_and_reported_once
   assert texts == ["one", "two"] * 3
   warnings = [r.getMessage() for r in caplog.records]
   assert len(warnings) == 2 and "a.jsonl:2" in warnings[0] and "a.jsonl:3" in warnings[1], warnings
+
+
+@needs_shakespeare
+def test_a_worker_tokenizes_on_one_thread_to_the_same_ids(small_tokenizer, llama2_hf_tokenizer):
+  """Workers call encode_batch(texts, 1) (one thread each); sentencepiece's and HF tokenizers' one-thread paths give
+  the ids their thread pools give."""
+  texts = [read_document(ref)[0][:5000] for ref in resolve_sources(["shakespeare:sonnets,lovers_complaint"])] * 3
+  for tokenizer in (Tokenizer(small_tokenizer), load_tokenizer_dir(llama2_hf_tokenizer)):
+    assert tokenizer.encode_batch(texts, 1) == tokenizer.encode_batch(texts)
