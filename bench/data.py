@@ -46,20 +46,26 @@ def write_corpus(directory: str, copies: int) -> list[str]:
   return paragraphs * copies
 
 
+def read_rate(dataset, tokens: int) -> dict:
+  """Tokens per second of `dataset`'s batches (windows of SEQ_LEN + 1) until `tokens` are read, timed from its first
+  batch; the seconds to that first batch are its start-up."""
+  start = time.perf_counter()
+  iterator = iter(dataset)
+  next(iterator)
+  first, received = time.perf_counter(), 0
+  while received < tokens:
+    received += next(iterator)["inputs"].size + BATCH
+  seconds = time.perf_counter() - first
+  if hasattr(iterator, "close"):
+    iterator.close()
+  return dict(tokens_per_s=received / seconds, startup_s=first - start)
+
+
 def stream_rate(files: list[str], tokenizer, workers: int, tokens: int) -> dict:
   data = streaming.StreamingDataset(
     [files], tokenizer, seq_len=SEQ_LEN, global_batch=BATCH, seed=0, workers=workers, shuffle_window=0
   )
-  start = time.perf_counter()
-  iterator = iter(data)
-  next(iterator)
-  first = time.perf_counter()
-  received = 0
-  while received < tokens:
-    received += next(iterator)["inputs"].size + BATCH
-  seconds = time.perf_counter() - first
-  iterator.close()
-  return dict(tokens_per_s=received / seconds, startup_s=first - start)
+  return read_rate(data, tokens)
 
 
 def main() -> None:
@@ -84,12 +90,9 @@ def main() -> None:
     start = time.perf_counter()
     text.prepare([tmp], [], tokenizer, prepared)
     rows["prepare (one process)"] = dict(tokens_per_s=tokens / (time.perf_counter() - start))
-    batches = iter(text.train_dataset(prepared, SEQ_LEN, BATCH, seed=0))
-    next(batches)
-    start, received = time.perf_counter(), 0
-    while received < tokens:
-      received += next(batches)["inputs"].size + BATCH
-    rows["prepared shards, read"] = dict(tokens_per_s=received / (time.perf_counter() - start))
+    rows["prepared shards, read"] = dict(
+      tokens_per_s=read_rate(text.train_dataset(prepared, SEQ_LEN, BATCH, seed=0), tokens)["tokens_per_s"]
+    )
   ceiling = rows["encode_batch (ceiling)"]["tokens_per_s"]
   print(f"{cpu_name()}, {os.cpu_count()} cores; {len(texts):,} documents, {tokens:,} tokens")
   print(f"{'path':28s} {'tokens/s':>12s} {'× ceiling':>10s} {'start-up s':>11s}")

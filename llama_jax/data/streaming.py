@@ -131,8 +131,6 @@ class _ShardIterator(grain.DatasetIterator):
 
   def __next__(self) -> str:
     stream = self.stream
-    if not stream.shards:
-      raise DataError(f"{stream.name}: this reader's share of the files holds no shards")
     while True:
       if self.index >= len(stream.shards):
         if not self._documents_this_epoch:
