@@ -1,5 +1,6 @@
-"""Peak host memory of one pass over a corpus, streamed (data.streaming, in the training process) and prepared
-(today's single-process `text.prepare`), on two corpora 10× apart in size: does it grow with the corpus?
+"""Peak host memory of one pass over a corpus, streamed (data.streaming, in the training process), prepared by the
+single-process `text.prepare`, and prepared by the Apache Beam pipeline (`python -m llama_jax.prepare`, DirectRunner
+in-process), on two corpora 10× apart in size: does it grow with the corpus?
 
     python bench/data_memory.py --copies 8,80 --json bench_data_memory.json
 
@@ -22,7 +23,8 @@ from timing import cpu_name
 
 ONE_PASS = """
 import resource, sys
-from llama_jax.data import streaming, text
+from llama_jax.core.run_config import RunConfig
+from llama_jax.data import pipeline, streaming, text
 from llama_jax.data.sources import list_files
 from llama_jax.data.tokenizer_files import load_tokenizer_path
 mode, corpus, tokens, tokenizer = sys.argv[1], sys.argv[2], int(sys.argv[3]), load_tokenizer_path(sys.argv[4])
@@ -31,8 +33,11 @@ if mode == "streaming":
   iterator, read = iter(data), 0
   while read < tokens:
     read += next(iterator)["inputs"].size + 8
-else:
+elif mode == "prepare":
   text.prepare([corpus], [], tokenizer, corpus + "-prepared")
+else:
+  config = RunConfig.from_dict(dict(data=dict(sources=(corpus,), val_sources=(), tokenizer=sys.argv[4])))
+  pipeline.prepare(config, corpus + "-beam", tokenizer)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
@@ -69,12 +74,12 @@ def main() -> None:
       size = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus))
       tokens = 1_690_000 * copies  # the plays are 1.69M tokens with Meta's tokenizer (bench/data.py)
       row = dict(copies=copies, bytes=size)
-      for mode in ("streaming", "prepare"):
+      for mode in ("streaming", "prepare", "beam"):
         row[mode] = peak_rss(mode, corpus, tokens, args.tokenizer)
       rows.append(row)
       print(
         f"{copies} copies, {size / 2**20:,.0f} MiB: peak RSS streaming {row['streaming'] / 2**20:,.0f} MiB, "
-        f"prepare {row['prepare'] / 2**20:,.0f} MiB",
+        f"prepare {row['prepare'] / 2**20:,.0f} MiB, Beam prepare {row['beam'] / 2**20:,.0f} MiB",
         flush=True,
       )
   print(cpu_name())

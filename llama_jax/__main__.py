@@ -10,7 +10,7 @@ from llama_jax.core.errors import exit_with_error
 
 # Commands whose flags are absl's (their main takes argv with the program name first) and those that take argparse's
 # (argv without it).
-ABSL_COMMANDS = ("train", "plan", "config")
+ABSL_COMMANDS = ("train", "prepare", "plan", "config")
 ARGPARSE_COMMANDS = ("sample", "evaluate", "serve", "convert", "viz", "tokenizer", "preference_data")
 
 

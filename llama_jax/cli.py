@@ -47,11 +47,12 @@ def _flag_value(argv: list[str], name: str) -> str:
   return "?"
 
 
-def parse_flags_or_exit(argv: list[str]) -> list[str]:
+def parse_flags_or_exit(argv: list[str], known_only: bool = False) -> list[str]:
   """absl flag parsing (``flags_parser`` for ``app.run``) that turns a bad flag or ``--config.x=`` override into a
-  one-line error and exit status 2, instead of a traceback."""
+  one-line error and exit status 2, instead of a traceback. `known_only` leaves the flags absl does not know in the
+  returned arguments (``prepare`` hands them to Beam)."""
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(argv, known_only=known_only)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     cause = e
     while cause.__context__ is not None and isinstance(e, AttributeError):

@@ -41,6 +41,11 @@ def require_shakespeare() -> None:
     skip_or_fail(SHAKESPEARE_MISSING)
 
 
+def require_beam() -> None:
+  if importlib.util.find_spec("apache_beam") is None:
+    skip_or_fail('Apache Beam is not installed (pip install -e ".[beam]" && pip install "protobuf>=7.36.1")')
+
+
 def require_meta_tokenizer() -> None:
   if not os.path.isfile(META_TOKENIZER):
     skip_or_fail(f"Meta's LLaMA 2 tokenizer fixture is absent ({META_TOKENIZER})")

@@ -13,7 +13,7 @@ import jax
 
 from llama_jax.core import distributed, paths
 from llama_jax.core.run_config import RunConfig
-from llama_jax.data import preference, sft, sources, streaming, text
+from llama_jax.data import preference, sft, sources, streaming, text, token_shards
 from llama_jax.data.prepared import PackedRows
 from llama_jax.data.tokenizer import Tokenizer, TokenizerBase, train_tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir, load_tokenizer_path
@@ -61,6 +61,11 @@ def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[TokenizerBase
   is shared, or prepare their own copy."""
   data_cfg = run_config.data
   prepared_dir = data_cfg.prepared_dir or paths.local_dir(workdir, "data")
+  if data_cfg.format == "text" and token_shards.is_shard_dir(prepared_dir):
+    # Shards from `python -m llama_jax.prepare`: nothing to prepare; its tokenizer unless one is named.
+    where = data_cfg.tokenizer or str(paths.path(prepared_dir, token_shards.TOKENIZER_DIR))
+    tokenizer = load_tokenizer_path(where)
+    return tokenizer, _shard_data(run_config, tokenizer, prepared_dir)
   texts, prepare = _FORMATS["streaming" if data_cfg.streaming else data_cfg.format]
   with distributed.main_process_first("data prepared by process 0"):
     tokenizer = load_tokenizer_for_run(run_config, workdir, lambda: texts(run_config))
@@ -112,6 +117,47 @@ def _text_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: st
   if meta.get("skipped"):
     summary += f"; skipped {meta['skipped']:,} bad documents or damaged files, the first: {meta['problems'][0]}"
   return RunData(dataset, text.validation_windows(prepared_dir, train_cfg.seq_len), summary)
+
+
+def _shard_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: str) -> RunData:
+  """Shards prepared by ``python -m llama_jax.prepare`` from this run's sources with this run's tokenizer (both
+  checked: other ones are refused in one line), read as windows of the shards' token stream."""
+  data_cfg, train_cfg = run_config.data, run_config.train
+  index = token_shards.read_index(prepared_dir)
+  rerun = f"run python -m llama_jax.prepare with this config and --out {prepared_dir}"
+  if index["tokenizer_sha256"] != token_shards.tokenizer_digest(tokenizer):
+    raise sources.DataError(
+      f"{prepared_dir} was prepared with another tokenizer (vocabulary {index['vocab_size']:,}; this run's "
+      f"{tokenizer.vocab_size:,}, {tokenizer.path}): {rerun}, or unset data.tokenizer to use its own"
+    )
+  prepared_from = index["sources"]
+  components = [[spec] for spec in data_cfg.specs] if data_cfg.weights is not None else [list(data_cfg.specs)]
+  wanted = dict(components=components, val_sources=list(data_cfg.val_sources))
+  if {k: prepared_from[k] for k in wanted} != wanted:
+    raise sources.DataError(
+      f"{prepared_dir} was prepared from data.sources {prepared_from['components']} and data.val_sources "
+      f"{prepared_from['val_sources']}; this run names {components} and {list(data_cfg.val_sources)}: {rerun}"
+    )
+  names = [f"train-{k:02d}" for k in range(len(components))] if data_cfg.weights is not None else ["train"]
+  windows = [
+    (spec, token_shards.split_windows(prepared_dir, index, name, train_cfg.seq_len, data_cfg.verify))
+    for spec, name in zip(data_cfg.specs if data_cfg.weights is not None else ["the training split"], names)
+  ]
+  dataset = text.window_batches(
+    windows, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count(), data_cfg.weights
+  )
+  val = token_shards.split_windows(prepared_dir, index, "val", train_cfg.seq_len, data_cfg.verify)
+  summary = (
+    f"prepared shards {prepared_dir}: train {sum(w.tokens for _, w in windows):,} tokens in "
+    f"{sum(index['splits'][n]['shards'] for n in names):,} shards, val {val.tokens:,} tokens"
+  )
+  if data_cfg.weights is not None:
+    summary += (
+      " (mixture by windows: "
+      + ", ".join(f"{spec} {w.tokens:,} tokens × {weight:.3g}" for (spec, w), weight in zip(windows, data_cfg.weights))
+      + ")"
+    )
+  return RunData(dataset, val, summary)
 
 
 def _no_texts(run_config: RunConfig) -> Iterator[str]:

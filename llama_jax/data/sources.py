@@ -75,11 +75,16 @@ def _shakespeare_refs(spec: str) -> list[DocumentRef]:
   return [DocumentRef(f"{SHAKESPEARE}:{name}", plays[name]) for name in wanted]
 
 
-def _file_refs(path: str) -> list[DocumentRef]:
+def document_id(path: str, number: int | None) -> str:
+  """The id of record `number` of a file (None: a text file's one document), which the validation split hashes."""
   name = path if paths.is_remote(path) else os.path.abspath(path)
+  return name if number is None else f"{name}:{number}"
+
+
+def _file_refs(path: str) -> list[DocumentRef]:
   if formats.file_format(path) == formats.TEXT:
-    return [DocumentRef(name, path)]
-  return [DocumentRef(f"{name}:{number}", path, number) for number in formats.record_numbers(path)]
+    return [DocumentRef(document_id(path, None), path)]
+  return [DocumentRef(document_id(path, number), path, number) for number in formats.record_numbers(path)]
 
 
 _GLOB_CHARS = re.compile(r"[*?[]")
@@ -255,6 +260,12 @@ def collect(records: Iterable[tuple[str, Any]], check: Callable[[Any], Any], on_
         raise DataError(f"{location}: {e}") from e
       problems.append(f"{location}: {e}")
   return good, problems
+
+
+def held_out(item_id: str, fraction: float, seed: int) -> bool:
+  """Whether the seeded hash split of `fraction` holds this one item out (validation_ids without its at-least-one
+  rule, for a preparation that sees one file at a time)."""
+  return _split_hash(item_id, seed) < fraction
 
 
 def _split_hash(item_id: str, seed: int) -> float:

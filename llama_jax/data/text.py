@@ -174,14 +174,20 @@ class TokenWindows:
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     start = index * self.seq_len
     window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
-    low, high = (int(window.min()), int(window.max())) if self.vocab_size and window.size else (0, 0)
-    if low < 0 or high >= max(self.vocab_size, 1):
-      bad = low if low < 0 else high
-      raise DataError(
-        f"{self.name}: window {index} holds token id {bad}, outside the vocabulary of {self.vocab_size} (its bytes "
-        f"changed); rerun with --config.data.verify=True to check every shard and prepare it again"
-      )
-    return {"inputs": window[:-1], "targets": window[1:]}
+    return checked_window(window, self.vocab_size, self.name, index)
+
+
+def checked_window(window: np.ndarray, vocab_size: int, name: str, index: int) -> dict[str, np.ndarray]:
+  """{"inputs", "targets"} of a window of seq_len + 1 ids, refused (DataError naming `name` and the window) when an
+  id is outside [0, vocab_size): the per-window guard of shards too large to scan at start-up."""
+  low, high = (int(window.min()), int(window.max())) if vocab_size and window.size else (0, 0)
+  if low < 0 or high >= max(vocab_size, 1):
+    bad = low if low < 0 else high
+    raise DataError(
+      f"{name}: window {index} holds token id {bad}, outside the vocabulary of {vocab_size} (its bytes "
+      f"changed); rerun with --config.data.verify=True to check every shard and prepare it again"
+    )
+  return {"inputs": window[:-1], "targets": window[1:]}
 
 
 def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str = "text") -> np.ndarray:
@@ -211,41 +217,45 @@ def train_dataset(
   mixture (prepared with `mixture`) draws its components' windows by `weights`."""
   meta = load_meta(prepared_dir)
   if "components" in meta:
-    return _mixture(prepared_dir, meta, seq_len, global_batch, seed, process_index, process_count, weights)
-  windows = open_split(prepared_dir, "train", seq_len)
-  if len(windows) < global_batch:
-    raise DataError(
-      f"corpus too small for one batch: the training split has {meta['train']['tokens']} tokens = "
-      f"{len(windows)} windows of {seq_len}+1, but a batch needs {global_batch}; add data or lower "
-      f"train.batch_size / train.seq_len"
-    )
-  return process_batches(windows, global_batch, seed, process_index, process_count)
+    if weights is None or len(weights) != len(meta["components"]):
+      raise DataError(
+        f"{prepared_dir} holds a mixture of {len(meta['components'])} sources; give data.sources their weights"
+      )
+    components = [(c["source"], open_split(prepared_dir, c["split"], seq_len)) for c in meta["components"]]
+  else:
+    components = [("the training split", open_split(prepared_dir, "train", seq_len))]
+  return window_batches(components, global_batch, seed, process_index, process_count, weights)
 
 
-def _mixture(
-  prepared_dir: str,
-  meta: dict[str, Any],
-  seq_len: int,
+def window_batches(
+  components: Sequence[tuple[str, Any]],
   global_batch: int,
   seed: int,
   process_index: int,
   process_count: int,
   weights: Sequence[float] | None,
 ) -> grain.MapDataset:
-  """Each component's windows shuffled by seed (its own stream: component k by seed + k) and repeated, mixed by
-  grain's MapDataset.mix: window i of the mixture comes from the component a fixed weighted pattern picks, so every
+  """Batches of the windows of one token stream (`components` [(name, windows)]), shuffled by seed, or of a mixture's
+  components drawn by `weights`; refused in one line when there are too few windows.
+
+  A mixture: each component's windows shuffled by seed (its own stream: component k by seed + k) and repeated, mixed
+  by grain's MapDataset.mix: window i of the mixture comes from the component a fixed weighted pattern picks, so every
   span of windows holds each component in its share (measured: exactly, over 10,000 windows), and the mixture is a
   pure function of (seed, weights): the iterator state stays one batch count, exact under any process count."""
-  components = meta["components"]
-  if weights is None or len(weights) != len(components):
-    raise DataError(f"{prepared_dir} holds a mixture of {len(components)} sources; give data.sources their weights")
+  if weights is None:
+    ((name, windows),) = components
+    if len(windows) < global_batch:
+      raise DataError(
+        f"corpus too small for one batch: {name} has {len(windows)} windows of {windows.seq_len}+1 tokens, but a "
+        f"batch needs {global_batch}; add data or lower train.batch_size / train.seq_len"
+      )
+    return process_batches(windows, global_batch, seed, process_index, process_count)
   datasets = []
-  for k, component in enumerate(components):
-    windows = open_split(prepared_dir, component["split"], seq_len)
+  for k, (name, windows) in enumerate(components):
     if len(windows) == 0:
       raise DataError(
-        f"mixture source {component['source']!r} has {meta[component['split']]['tokens']} tokens, less than one "
-        f"window of {seq_len}+1; add data or lower train.seq_len"
+        f"mixture source {name!r} has less than one window of {windows.seq_len}+1 tokens; add data or lower "
+        f"train.seq_len"
       )
     datasets.append(grain.MapDataset.source(windows).shuffle(seed=seed + k).repeat(None))
   return batches_of(grain.MapDataset.mix(datasets, list(weights)), global_batch, process_index, process_count)

@@ -113,6 +113,9 @@ def test_data_bench_smoke_reports_every_path_beside_the_tokenizer_ceiling(tmp_pa
     "streaming, 2 workers",
     "prepare (one process)",
     "prepared shards, read",
+    "Beam prepare, 1 worker",
+    "Beam prepare, 2 workers",
+    "Beam shards (ArrayRecord), read",
   ]
   assert all(row["tokens_per_s"] > 0 for row in rows.values())
   assert all(rows[f"streaming, {w} workers"]["startup_s"] >= 0 for w in (0, 1, 2))

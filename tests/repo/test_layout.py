@@ -18,7 +18,19 @@ from tests.conftest import ROOT, skip_or_fail
 
 PACKAGE = pathlib.Path(ROOT) / "llama_jax"
 LAYERS = ("core", "model", "data", "checkpoint", "training", "inference", "serving", "interop", "analysis")
-COMMANDS = ("train", "sample", "evaluate", "serve", "convert", "plan", "viz", "tokenizer", "config", "preference_data")
+COMMANDS = (
+  "train",
+  "prepare",
+  "sample",
+  "evaluate",
+  "serve",
+  "convert",
+  "plan",
+  "viz",
+  "tokenizer",
+  "config",
+  "preference_data",
+)
 MAX_FILE_LINES = 600  # a file past this usually holds two concerns (STYLE.md)
 
 

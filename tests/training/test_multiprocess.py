@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, needs_shakespeare
-from tests.runs import assert_bit_identical, read_jsonl, train_args
+from tests.conftest import ROOT, needs_shakespeare, require_beam
+from tests.runs import MICRO, assert_bit_identical, read_jsonl, run_module, train_args
 
 pytestmark = needs_shakespeare
 STEPS = ["--config.train.eval_every=0", "--config.train.save_every=100", "--config.train.record_batches=False"]
@@ -37,9 +37,9 @@ def env_with_devices(n: int) -> dict:
   return dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
 
 
-def run_one_process(workdir, tokenizer, steps):
+def run_one_process(workdir, tokenizer, steps, *extra):
   result = subprocess.run(
-    train_command(workdir, tokenizer, steps),
+    train_command(workdir, tokenizer, steps, *extra),
     cwd=ROOT,
     env=env_with_devices(8),
     capture_output=True,
@@ -329,3 +329,31 @@ def test_two_streaming_processes_read_their_own_files_and_resume_exactly(tmp_pat
     timeout=600,
   )
   assert one.returncode == 2 and "read by 2 processes with data.workers=0; this run has 1" in one.stderr, one.stderr
+
+
+def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp_path, small_tokenizer):
+  """Shards from `python -m llama_jax.prepare` (2 Beam workers) read by 2 processes, each its rows of every global
+  batch; one process resumes their step-3 checkpoint and continues with the losses of a run that was one process
+  from the start (the iterator state is a batch count: the same for any process count)."""
+  require_beam()
+  shards = tmp_path / "shards"
+  prepared = run_module(
+    "llama_jax.prepare",
+    "--config",
+    "configs/tiny.py",
+    "--out",
+    str(shards),
+    f"--config.data.tokenizer={small_tokenizer}",
+    *[flag for flag in MICRO if flag.startswith("--config.data.")],
+    "--direct_num_workers=2",
+    "--direct_running_mode=multi_processing",
+  )
+  assert prepared.returncode == 0, prepared.stderr[-3000:]
+  data = [f"--config.data.prepared_dir={shards}", "--config.train.save_every=3"]
+  one, two = tmp_path / "one", tmp_path / "two"
+  run_two_processes(two, small_tokenizer, 3, *data)
+  assert sorted(os.listdir(two / "checkpoints")) == ["3"]
+  assert "steps 3 → 6" in run_one_process(two, small_tokenizer, 6, *data).stdout
+  run_one_process(one, small_tokenizer, 6, *data)
+  for step in range(1, 7):
+    assert losses(two)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
