@@ -20,6 +20,7 @@ other units finish (a rerun reuses them), and the job ends with the first proble
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -215,15 +216,18 @@ def prepare(
     token_shards.token_dtype(tokenizer.vocab_size),
     data_cfg.on_error,
   )
-  todo = [unit for unit in units if finished_record(settings, unit) is None]
+  # One small read per unit, remote ones ~20-50 ms each on Cloud Storage: 32 at a time.
+  with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    todo = [u for u, done in zip(units, pool.map(lambda u: finished_record(settings, u), units)) if done is None]
   if todo:
     _log.info("preparing %d of %d files (the others are done)", len(todo), len(units))
     args = list(pipeline_args)
     if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
-      args.append("--default_sdk_harness_log_level=WARNING")  # each worker's harness logs a dozen lines at INFO
+      args.append("--default_sdk_harness_log_level=ERROR")  # each worker logs a dozen lines at INFO, a few WARNINGs
     with beam.Pipeline(options=PipelineOptions(args)) as pipeline:
       _ = pipeline | beam.Create(todo) | beam.Reshuffle() | beam.ParDo(TokenizeFile(settings))
-  records = [json.loads(paths.path(_record_path(settings, unit)).read_text()) for unit in units]
+  with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    records = list(pool.map(lambda u: json.loads(paths.path(_record_path(settings, u)).read_text()), units))
   stopped = next((r["problem"] for r in records if r.get("problem")), None)
   if stopped is not None:
     raise DataError(f"{stopped} (data.on_error='stop'; the files prepared so far are kept for the rerun)")

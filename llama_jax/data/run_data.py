@@ -147,6 +147,11 @@ def _shard_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: s
     windows, train_cfg.batch_size, run_config.seed, jax.process_index(), jax.process_count(), data_cfg.weights
   )
   val = token_shards.split_windows(prepared_dir, index, "val", train_cfg.seq_len, data_cfg.verify)
+  if train_cfg.eval_every and len(val) == 0:
+    raise sources.DataError(
+      f"{prepared_dir} holds {val.tokens:,} validation tokens, less than one window of {train_cfg.seq_len}+1: "
+      f"prepare it with data.val_sources or a larger data.val_fraction, or set train.eval_every=0"
+    )
   summary = (
     f"prepared shards {prepared_dir}: train {sum(w.tokens for _, w in windows):,} tokens in "
     f"{sum(index['splits'][n]['shards'] for n in names):,} shards, val {val.tokens:,} tokens"

@@ -134,7 +134,11 @@ class _ShardIterator(grain.DatasetIterator):
     while True:
       if self.index >= len(stream.shards):
         if not self._documents_this_epoch:
-          raise DataError(f"{stream.name}: no document in this reader's share of the files in a whole pass")
+          raise DataError(
+            f"{stream.name}: no document in this reader's share ({len(stream.shards)} of the files or record strides) "
+            f"in a whole pass; a process and each of its data.workers read their own part: split the corpus into "
+            f"more files, lower data.workers, or prepare it (python -m llama_jax.prepare)"
+          )
         self.epoch, self.index, self._documents_this_epoch = self.epoch + 1, 0, 0
       if self._records is None:
         shard = stream.shards[int(self._order()[self.index])]

