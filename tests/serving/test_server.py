@@ -468,20 +468,22 @@ def test_a_full_queue_is_503_and_a_failing_step_ends_only_the_running_requests(c
 
 
 def test_a_non_streaming_client_that_leaves_frees_its_slot(checkpoint_dir):
-  """The engine is paced (a pause after each call) so the request is still running when the client gives up."""
+  """The engine is paced (a pause after each call) so the request is still running when the client gives up. 0.5 s a
+  step: with 0.2 s, a CI run on 2 busy cores saw the request end by itself (its eos after 44 steps, 8.8 s) before
+  the disconnect (checked every 0.5 s) was noticed; a reply now takes at least 22 s to end that way."""
   with live_server.serving(checkpoint_dir, slots=2, max_len=128) as (url, engine, *_):
     step = engine.step
 
     def paced_step():
       busy = step()
       if busy:
-        time.sleep(0.2)
+        time.sleep(0.5)
       return busy
 
     engine.step = paced_step
     with pytest.raises(httpx.ReadTimeout):
       httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 120}, timeout=1.5)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 70
     while engine.pending() and time.monotonic() < deadline:
       time.sleep(0.1)
     assert engine.pending() == 0 and engine.stats["finished_cancelled"] == 1, dict(engine.stats)
