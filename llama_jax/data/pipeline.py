@@ -75,21 +75,13 @@ class Settings:
   on_error: str
 
 
-def _components(run_config: RunConfig) -> tuple[list[str], list[list[str]]]:
-  """(split names, source specs of each): one ``train`` split, or one per source of a weighted mixture."""
-  data_cfg = run_config.data
-  if data_cfg.weights is None:
-    return ["train"], [list(data_cfg.specs)]
-  return [f"train-{k:02d}" for k in range(len(data_cfg.specs))], [[spec] for spec in data_cfg.specs]
-
-
 def plan_units(run_config: RunConfig, digest: str) -> list[Unit]:
   """The units of a preparation, in index order: each training file of each component, then the validation files."""
   data_cfg = run_config.data
   val_files = list_files(data_cfg.val_sources) if data_cfg.val_sources else []
   fraction = 0.0 if data_cfg.val_sources else data_cfg.val_fraction
   planned: list[tuple[str, str, float]] = []
-  for split, specs in zip(*_components(run_config)):
+  for split, specs in zip(*token_shards.components(data_cfg)):
     files = [f for f in list_files(specs) if f not in set(val_files)]
     if not files:
       raise DataError(f"the training sources {specs} hold no files outside data.val_sources")
@@ -135,6 +127,7 @@ class TokenizeFile(beam.DoFn):
     self.tokenizer = load_tokenizer_dir(str(paths.path(self.settings.out_dir, token_shards.TOKENIZER_DIR)))
 
   def process(self, unit: Unit) -> Iterator[str]:
+    # Checked again here, not only by the driver: a runner retries a failed bundle whole, units already done included.
     if finished_record(self.settings, unit) is not None:
       yield unit.key
       return
@@ -241,7 +234,7 @@ def _index(
   run_config: RunConfig, tokenizer: TokenizerBase, digest: str, units: Sequence[Unit], records: Sequence[dict]
 ) -> dict[str, Any]:
   data_cfg = run_config.data
-  names, specs = _components(run_config)
+  names, specs = token_shards.components(data_cfg)
   shards: dict[str, list[dict[str, Any]]] = {split: [] for split in [*names, "val"]}
   for record in records:
     for split, shard in record["shards"].items():

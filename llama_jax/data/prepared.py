@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from llama_jax.core import paths
 from llama_jax.data.sources import DataError, validation_ids
 
 _log = logging.getLogger(__name__)
@@ -114,9 +115,16 @@ def id_range(tokens: np.ndarray) -> tuple[int, int]:
 
 
 def size_problem(path: str, expected: int) -> str | None:
-  if not os.path.isfile(path):
+  """ "PATH is missing" or "PATH has N bytes but was prepared with M ...", or None; `path` local or remote."""
+  if paths.is_remote(path):
+    target = paths.path(path)
+    if not target.is_file():
+      return f"{path} is missing"
+    size = target.stat().length
+  elif not os.path.isfile(path):
     return f"{path} is missing"
-  size = os.path.getsize(path)
+  else:
+    size = os.path.getsize(path)
   if size != expected:
     return f"{path} has {size:,} bytes but was prepared with {expected:,} (cut short or overwritten)"
   return None

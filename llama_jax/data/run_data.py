@@ -131,14 +131,13 @@ def _shard_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir: s
       f"{tokenizer.vocab_size:,}, {tokenizer.path}): {rerun}, or unset data.tokenizer to use its own"
     )
   prepared_from = index["sources"]
-  components = [[spec] for spec in data_cfg.specs] if data_cfg.weights is not None else [list(data_cfg.specs)]
+  names, components = token_shards.components(data_cfg)
   wanted = dict(components=components, val_sources=list(data_cfg.val_sources))
   if {k: prepared_from[k] for k in wanted} != wanted:
     raise sources.DataError(
       f"{prepared_dir} was prepared from data.sources {prepared_from['components']} and data.val_sources "
       f"{prepared_from['val_sources']}; this run names {components} and {list(data_cfg.val_sources)}: {rerun}"
     )
-  names = [f"train-{k:02d}" for k in range(len(components))] if data_cfg.weights is not None else ["train"]
   windows = [
     (spec, token_shards.split_windows(prepared_dir, index, name, train_cfg.seq_len, data_cfg.verify))
     for spec, name in zip(data_cfg.specs if data_cfg.weights is not None else ["the training split"], names)
@@ -180,7 +179,7 @@ def _streamed_data(run_config: RunConfig, tokenizer: TokenizerBase, prepared_dir
   val_set, val_files = streaming.split_files(
     data_cfg.specs, data_cfg.val_sources, data_cfg.val_fraction, run_config.seed
   )
-  groups = [[spec] for spec in data_cfg.specs] if data_cfg.weights is not None else [list(data_cfg.specs)]
+  _, groups = token_shards.components(data_cfg)
   files = streaming.component_files(groups, val_set)
   dataset = streaming.StreamingDataset(
     files,

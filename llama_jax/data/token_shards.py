@@ -36,7 +36,7 @@ from grain.sources import ArrayRecordDataSource
 
 from llama_jax.core import paths
 from llama_jax.data.formats import DataError
-from llama_jax.data.prepared import file_sha256
+from llama_jax.data.prepared import file_record, file_sha256, size_problem
 from llama_jax.data.text import checked_window
 
 INDEX = "index.json"
@@ -55,6 +55,14 @@ def token_dtype(vocab_size: int) -> str:
 
 def tokenizer_digest(tokenizer) -> str:
   return hashlib.sha256(tokenizer.identity_bytes()).hexdigest()
+
+
+def components(data_cfg) -> tuple[list[str], list[list[str]]]:
+  """(training split names, the source specs of each): one ``train`` split, or ``train-NN`` for source NN of a
+  weighted mixture (data.sources with weights)."""
+  if data_cfg.weights is None:
+    return ["train"], [list(data_cfg.specs)]
+  return [f"train-{k:02d}" for k in range(len(data_cfg.specs))], [[spec] for spec in data_cfg.specs]
 
 
 def is_shard_dir(directory: str) -> bool:
@@ -111,10 +119,8 @@ class ShardWriter:
         documents=self.documents,
         records=len(self.ends),
         tokens=self.tokens,
-        bytes=os.path.getsize(self.local),
-        sha256=file_sha256(self.local),
-        ends_bytes=os.path.getsize(ends_local),
-        ends_sha256=file_sha256(ends_local),
+        **file_record(self.local),
+        ends=file_record(ends_local),
       )
       _move(ends_local, ends_path(self.target))
       _move(self.local, self.target)
@@ -145,14 +151,11 @@ def check_shard(directory: str, record: dict[str, Any], verify: bool) -> str | N
   shard = str(paths.path(directory, record["name"]))
   for path, size, digest in (
     (shard, record["bytes"], record["sha256"]),
-    (ends_path(shard), record["ends_bytes"], record["ends_sha256"]),
+    (ends_path(shard), record["ends"]["bytes"], record["ends"]["sha256"]),
   ):
-    target = paths.path(path)
-    if not target.is_file():
-      return f"{path} is missing"
-    actual = target.stat().length if paths.is_remote(path) else os.path.getsize(path)
-    if actual != size:
-      return f"{path} has {actual:,} bytes but was prepared with {size:,} (cut short or overwritten)"
+    problem = size_problem(path, size)
+    if problem is not None:
+      return problem
     if verify and file_sha256(paths.local_file(path)) != digest:
       return f"{path} does not match the sha256 recorded when it was prepared (its bytes changed)"
   return None
@@ -167,10 +170,9 @@ class ShardWindows:
 
   def __init__(self, directory: str, shards: Sequence[dict[str, Any]], seq_len: int, dtype: str, vocab_size: int):
     self.seq_len, self.dtype, self.vocab_size, self.name = seq_len, np.dtype(dtype), vocab_size, directory
-    local = [paths.local_file(str(paths.path(directory, s["name"]))) for s in shards]
-    self.ends = [
-      np.load(paths.local_file(ends_path(str(paths.path(directory, s["name"])))), mmap_mode="r") for s in shards
-    ]
+    names = [str(paths.path(directory, s["name"])) for s in shards]
+    local = [paths.local_file(name) for name in names]
+    self.ends = [np.load(paths.local_file(ends_path(name)), mmap_mode="r") for name in names]
     # Each path with its record count: grain would otherwise open every shard at start-up to count them.
     self.records = (
       ArrayRecordDataSource([f"{path}[0:{s['records']}]" for path, s in zip(local, shards)]) if shards else None
