@@ -22,6 +22,7 @@ from llama_jax.analysis.memory import GIB, PlanError, device_bytes, format_bytes
 from llama_jax.core.accelerators import HBM_GIB
 from llama_jax.core.run_config import RunConfig, run_config_from
 from llama_jax.model import attention as attention_lib
+from llama_jax.model import context as context_lib
 from llama_jax.model import sharding
 from llama_jax.training.flops import flops_per_token
 from llama_jax.training.trainer import Trainer
@@ -107,7 +108,15 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
     has_positions=False,
   )
   if mesh.shape["context"] > 1:  # each device's slice of the sequence: the context strategy's per-device kernel
-    attention = f"context {model_cfg.context_strategy} (xla blocks)"
+    kernel = context_lib.slice_kernel(
+      model_cfg.attention,
+      platform,
+      strategy=model_cfg.context_strategy,
+      seq_len=train_cfg.seq_len,
+      shards=mesh.shape["context"],
+      head_dim=model_cfg.head_dim,
+    )
+    attention = f"context {model_cfg.context_strategy} ({'splash' if kernel == 'splash' else 'xla blocks'})"
   return Plan(
     mesh=dict(mesh.shape),
     devices=len(devices),

@@ -26,6 +26,17 @@ MOE_GROUPED = ("auto", "ragged_dot", "tiles")
 MOE_BALANCE_LOSSES = ("per_layer", "transformers")
 
 
+def unsupported_context_kernel(requested: str, strategy: str) -> str | None:
+  """Why model.attention=`requested` cannot run inside a context slice under `strategy`, or None when it can. A kernel
+  named that no strategy's slice can run is refused, not replaced (shapes alone that do not fit fall back to the XLA
+  blocks, as `attention.choose_implementation` falls back without context parallelism)."""
+  if requested == "cudnn":
+    return "cuDNN's causal mask cannot place a slice of the queries against the whole sequence's keys"
+  if requested == "splash" and strategy != "all_gather":
+    return f"{strategy!r} merges blocks by their running softmax, which splash does not return with a gradient"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """A mixture of experts in place of the SwiGLU MLP of every block, or of every `every`-th block (``model.moe``;

@@ -25,7 +25,7 @@ from typing import Any
 import ml_collections
 
 from llama_jax.core.checks import ConfigError, check_choice, check_range, check_type, did_you_mean
-from llama_jax.core.model_config import LORA_TARGETS, ModelConfig
+from llama_jax.core.model_config import LORA_TARGETS, ModelConfig, unsupported_context_kernel
 
 DATA_FORMATS = ("text", "chat", "preference")
 ON_ERROR = ("skip", "stop")
@@ -414,6 +414,14 @@ class RunConfig:
       raise ConfigError(
         f"model.context_strategy='zigzag' needs 2 × mesh.context={2 * self.mesh.context} to divide "
         f"train.seq_len={self.train.seq_len} (each device holds two equal chunks of every sequence)"
+      )
+    if self.mesh.context > 1 and (
+      problem := unsupported_context_kernel(self.model.attention, self.model.context_strategy)
+    ):
+      raise ConfigError(
+        f"model.attention={self.model.attention!r} cannot run inside a context slice (mesh.context="
+        f"{self.mesh.context}, model.context_strategy={self.model.context_strategy!r}): {problem}; use attention="
+        "'auto' (splash with all_gather on TPU, else the XLA blocks)"
       )
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(

@@ -263,33 +263,12 @@ def splash_attention(
 ) -> Array:
   """TPU splash (block-sparse flash) attention, causal, with optional segment ids.
 
-  The kernel works on one sequence and one kv head at a time ([G, T, H] queries against [S, H] keys), so it is
-  vmapped over batch and kv heads, and run per device under ``shard_map`` when a mesh is active: batch and heads are
-  split across devices by the same logical rules as the activations. ``interpret=True`` runs it on CPU (tests).
+  Run per device under ``shard_map`` when a mesh is active: batch and heads are split across devices by the same
+  logical rules as the activations (`splash_per_device`). ``interpret=True`` runs it on CPU (tests).
   """
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-  batch, q_len, n_heads, head_dim = q_BTNH.shape
-  n_kv_heads = k_BSKH.shape[2]
-  groups = n_heads // n_kv_heads
-  q_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(head_dim), q_BTNH.dtype)  # the kernel does not scale
-
-  def local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
-    mask = splash.MultiHeadMask([splash.CausalMask((q_len, q_len)) for _ in range(groups)])
-    kernel = splash.make_splash_mqa_single_device(mask, interpret=interpret)
-    q_BKGTH = q_BTNH.reshape(q_BTNH.shape[0], q_len, -1, groups, head_dim).transpose(0, 2, 3, 1, 4)
-    k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
-    v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
-
-    def one(q_GTH, k_SH, v_SH, seg_T):
-      ids = None if seg_T is None else splash.SegmentIds(q=seg_T, kv=seg_T)
-      return kernel(q_GTH, k_SH, v_SH, segment_ids=ids)
-
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
-    seg_axis = None if segment_ids_BT is None else 0
-    out_BKGTH = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis))(q_BKGTH, k_BKSH, v_BKSH, segment_ids_BT)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
-
+  q_len, n_heads, n_kv_heads = q_BTNH.shape[1], q_BTNH.shape[2], k_BSKH.shape[2]
+  kernel = splash_kernel(n_heads // n_kv_heads, q_len, q_len, interpret=interpret)
+  local = lambda q, k, v, s: splash_per_device(kernel, q, k, v, s, s)  # noqa: E731
   specs = sharding.active_specs(
     {
       "q": ("activation_batch", None, "activation_heads", None),
@@ -304,3 +283,41 @@ def splash_attention(
     local, in_specs=(specs["q"], specs["kv"], specs["kv"], seg_spec), out_specs=specs["q"], check_vma=False
   )
   return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
+
+
+def splash_kernel(groups: int, q_len: int, kv_len: int, *, q_seq_shards: int = 1, interpret: bool = False):
+  """The splash kernel of causal attention of `groups` query heads to one kv head, [q_len] queries against [kv_len]
+  keys. With `q_seq_shards` > 1 its mask tables are split by query rows, so that under ``shard_map`` (the kernel
+  passed in with `kernel.manual_sharding_spec`) each of that many devices attends its own slice of the queries to
+  all the keys by global index (context parallelism's all-gather strategy)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(groups)])
+  return splash.make_splash_mqa(mask, head_shards=1, q_seq_shards=q_seq_shards, interpret=interpret)
+
+
+def splash_per_device(
+  kernel, q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, q_segments_BT: Array | None, kv_segments_BS: Array | None
+) -> Array:
+  """`kernel` (`splash_kernel`) on one device's arrays. The kernel works on one sequence and one kv head at a time
+  ([G, T, H] queries against [S, H] keys) and does not scale the scores, so the queries are scaled here and the
+  kernel vmapped over batch and kv heads."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  batch, q_len, _, head_dim = q_BTNH.shape
+  n_kv_heads = k_BSKH.shape[2]
+  scaled_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(head_dim), q_BTNH.dtype)
+  q_BKGTH = scaled_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4)
+  k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
+  v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
+
+  def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S):
+    ids = None if q_segments_T is None else splash.SegmentIds(q=q_segments_T, kv=kv_segments_S)
+    return kernel(q_GTH, k_SH, v_SH, segment_ids=ids)
+
+  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+  seg_axis = None if q_segments_BT is None else 0
+  out_BKGTH = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis, seg_axis))(
+    q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS
+  )
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)

@@ -19,8 +19,14 @@ Strategies (``model.context_strategy``):
   layout once per step (`to_zigzag`) and its residual stream back (`from_zigzag`): between them every other layer
   is per token, and attention masks by the tokens' own indices, so the numbers are the natural layout's.
 
-Per block the XLA kernel runs, by query chunks when the sequence is LONG_SEQUENCE tokens or more
-(`attention.map_query_chunks`); no splash or cuDNN inside yet.
+Kernels (`slice_kernel`): with "all_gather" on TPU, splash attends each device's queries to the gathered keys (its
+mask tables split by query rows over the context axes, so each device computes only its rows' visible blocks), when
+the slice is a whole number of splash blocks and the head dim a multiple of 64 (as without context parallelism).
+Otherwise, and for the ring's and zigzag's blocks, the XLA kernel runs, by query chunks when the sequence is
+LONG_SEQUENCE tokens or more (`attention.map_query_chunks`). The ring merges each block's softmax by its running
+max and sum; splash returns its log-sum-exp only without a gradient through it, so a splash ring would need its own
+backward pass (not written). cuDNN's causal mask is aligned to the first key, so it cannot mask a slice of the
+queries against the gathered keys: no cuDNN inside a context slice.
 """
 
 from __future__ import annotations
@@ -31,22 +37,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.core.model_config import CONTEXT_STRATEGIES
+from llama_jax.core.model_config import CONTEXT_STRATEGIES, unsupported_context_kernel
 from llama_jax.model import attention as attention_lib
 from llama_jax.model import sharding
 
 Array = jax.Array
 
 
+def slice_kernel(requested: str, backend: str, *, strategy: str, seq_len: int, shards: int, head_dim: int) -> str:
+  """The kernel inside each device's slice: "splash" (the all-gather strategy on TPU, `requested` auto or splash,
+  slices a whole number of splash blocks, head dim a multiple of 64) or "xla" (the XLA blocks)."""
+  splash = (
+    requested in ("auto", "splash")
+    and strategy == "all_gather"
+    and backend == "tpu"
+    and (seq_len // shards) % attention_lib.SPLASH_BLOCK == 0
+    and head_dim % 64 == 0
+  )
+  return "splash" if splash else "xla"
+
+
 def context_attention(
-  q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, *, segment_ids: Array | None = None, strategy: str = "all_gather"
+  q_BTNH: Array,
+  k_BSKH: Array,
+  v_BSKH: Array,
+  *,
+  segment_ids: Array | None = None,
+  strategy: str = "all_gather",
+  implementation: str = "auto",
+  interpret: bool = False,
 ) -> Array:
   """Causal self-attention (T == S) of a sequence split over the context axes, by `strategy` (module docstring);
-  "zigzag" takes and returns the zigzag layout (`to_zigzag`), the others the natural one."""
+  "zigzag" takes and returns the zigzag layout (`to_zigzag`), the others the natural one. `implementation` is
+  model.attention (`slice_kernel`); `interpret=True` runs the all-gather strategy's splash kernel by the Pallas
+  interpreter on any backend (tests)."""
   if strategy not in CONTEXT_STRATEGIES:
     raise ValueError(f"context strategy must be one of {', '.join(CONTEXT_STRATEGIES)}; got {strategy!r}")
+  if (problem := unsupported_context_kernel(implementation, strategy)) is not None:
+    raise ValueError(f"attention={implementation!r} cannot run inside a context slice: {problem}")
   axes, shards = sharding.context_axes()
   batch, q_len, n_heads, head_dim = q_BTNH.shape
+  kernel = (
+    "splash"
+    if interpret
+    else slice_kernel(
+      implementation,
+      sharding.target_platform(),
+      strategy=strategy,
+      seq_len=q_len,
+      shards=shards,
+      head_dim=head_dim,
+    )
+  )
   pieces = 2 * shards if strategy == "zigzag" else shards
   if q_len % pieces:
     raise sharding.ShardingError(
@@ -188,6 +230,29 @@ def context_attention(
       "seg": ("activation_batch", "activation_length"),
     }
   )
+  if kernel == "splash":
+    # Each device's queries against the gathered keys by global index: the kernel's mask tables, made for the whole
+    # [T, T] causal mask, travel split by query rows over the context axes.
+    splash = attention_lib.splash_kernel(
+      n_heads // k_BSKH.shape[2], q_len, q_len, q_seq_shards=shards, interpret=interpret
+    )
+    mask_spec = splash.manual_sharding_spec(
+      jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(None, axes))
+    )
+
+    def gathered_splash(splash, q_BCNH, k_BCKH, v_BCKH, segments_BC):
+      k_BSKH, v_BSKH, segments_BS = (
+        jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k_BCKH, v_BCKH, segments_BC)
+      )
+      return attention_lib.splash_per_device(splash, q_BCNH, k_BSKH, v_BSKH, segments_BC, segments_BS)
+
+    run = jax.shard_map(
+      gathered_splash,
+      in_specs=(mask_spec, specs["q"], specs["kv"], specs["kv"], specs["seg"]),
+      out_specs=specs["q"],
+      check_vma=False,
+    )
+    return run(splash, q_BTNH, k_BSKH, v_BSKH, segment_ids)
   run = jax.shard_map(
     gathered if strategy == "all_gather" else ring,
     in_specs=(specs["q"], specs["kv"], specs["kv"], specs["seg"]),

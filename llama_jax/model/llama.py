@@ -179,7 +179,12 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH, v_BTKH = self.rotated_qkv(x_BTD, positions_BT)
     if sharding.context_axes()[1] > 1:  # the sequence is split over the mesh's context axes
       out_BTNH = context_lib.context_attention(
-        q_BTNH, k_BTKH, v_BTKH, segment_ids=segment_ids_BT, strategy=self.cfg.context_strategy
+        q_BTNH,
+        k_BTKH,
+        v_BTKH,
+        segment_ids=segment_ids_BT,
+        strategy=self.cfg.context_strategy,
+        implementation=self.cfg.attention,
       )
     else:
       out_BTNH = attention_lib.attention(

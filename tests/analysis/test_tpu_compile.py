@@ -161,6 +161,31 @@ def test_context_parallel_step_holds_about_a_quarter_of_one_chip_s_activations_o
     assert collectives["collective-permute"]["count"] == 0, collectives
 
 
+def test_splash_runs_inside_each_chip_s_slice_of_the_all_gather_strategy(plans):
+  """Context=4 with attention "auto" on TPU: splash attends each chip's 2,048 queries to the gathered 8,192 keys (its
+  mask tables split by query rows), forward twice per layer (remat), dq and dkv once. Activations per chip, against
+  splash on one chip: a quarter, plus one layer's gathered keys and values and their whole-sequence float32
+  gradients, which every chip holds whole (the all-gather strategy's price; measured, libtpu 0.0.42.1: 0.34 of one
+  chip's with them, 0.24 without; 117 MiB against the XLA blocks' 141 MiB)."""
+  one, plan = plans["v5p-8/one_chip_splash_8k"], plans["v5p-8/context4_all_gather_splash_8k"]
+  xla_blocks = plans["v5p-8/context4_all_gather_8k"]
+  fixed = plans["v5p-8/one_chip_128"]["temp_bytes"]
+  assert one["attention"] == "splash" and plan["attention"] == "context all_gather (splash)"
+  kernels = plan["kernels"]
+  layers = CONTEXT_MODEL["n_layers"]
+  assert sum(n for k, n in kernels.items() if k.startswith("splash_mqa_fwd")) == 2 * layers, kernels
+  assert sum(n for k, n in kernels.items() if k.startswith("splash_mqa_dq")) == layers, kernels
+  assert sum(n for k, n in kernels.items() if k.startswith("splash_mqa_dkv")) == layers, kernels
+  tokens_kv_heads = CONTEXT_TRAIN["seq_len"] * CONTEXT_MODEL["n_kv_heads"] * 64
+  gathered_one_layer = tokens_kv_heads * 2 * (2 + 4)  # keys and values in bfloat16, their gradients in float32
+  ratio = (plan["temp_bytes"] - fixed - gathered_one_layer) / (one["temp_bytes"] - fixed)
+  assert 0.25 * 0.85 <= ratio <= 0.25 * 1.15, ratio
+  assert plan["temp_bytes"] < xla_blocks["temp_bytes"]
+  collectives = plan["collectives"]
+  assert collectives["all-gather"]["bytes"] >= layers * 2 * tokens_kv_heads * 2, collectives
+  assert collectives["collective-permute"]["count"] == 0, collectives
+
+
 def small_decode_plan(out, *flags: str) -> dict:
   """`plan --decode` of a 2-layer, head_dim-128 model (8 rows × 2,048 slots) on one v5p chip by the TPU compiler."""
   overrides = ["--config.model.dim=256", "--config.model.n_heads=2", "--config.model.n_kv_heads=2"]

@@ -63,6 +63,17 @@ CONTEXT_CASES = {
   # the optimizer update of the parameters, which every context shard holds whole); the rest are the activations.
   "v5p-8/one_chip_128": ("v5p-8", dict(data=1, fsdp=1, context=1, tensor=1), CONTEXT_MODEL),
   "v5p-8/context4_all_gather_8k": ("v5p-8", dict(data=1, fsdp=1, context=4, tensor=1), CONTEXT_MODEL),
+  # Splash inside each chip's slice (the all-gather strategy, attention "auto" on TPU) against splash on one chip.
+  "v5p-8/one_chip_splash_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=1, context=1, tensor=1),
+    dict(CONTEXT_MODEL, attention="auto"),
+  ),
+  "v5p-8/context4_all_gather_splash_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=1, context=4, tensor=1),
+    dict(CONTEXT_MODEL, attention="auto"),
+  ),
   "v5p-8/context4_ring_8k": (
     "v5p-8",
     dict(data=1, fsdp=1, context=4, tensor=1),

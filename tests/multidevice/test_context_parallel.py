@@ -94,6 +94,32 @@ def test_context_parallel_loss_and_gradients_equal_one_device(reference, mesh_na
     assert "all-gather(" in hlo
 
 
+def split_equals_one_device(split, mesh_axes, q, k, v, segments, atol):
+  """`split` (attention over a context axis) run on `mesh_axes` with q, k, v and segment ids split as the
+  activations' rules say: its output and gradients (of sum(out · w), random w) equal the one-device XLA kernel's.
+  Returns (output, gradients) on the mesh."""
+  weights = np.random.RandomState(7).normal(size=q.shape).astype(np.float32)
+
+  def objective(kernel):
+    return lambda q, k, v, s: jnp.sum(kernel(q, k, v, s) * weights)
+
+  one = lambda q, k, v, s: attention_lib.xla_attention(q, k, v, q_segment_ids=s, kv_segment_ids=s)  # noqa: E731
+  expected = one(q, k, v, segments)
+  expected_grads = jax.grad(objective(one), argnums=(0, 1, 2))(q, k, v, segments)
+  mesh = sharding.make_mesh(mesh_axes)
+  with sharding.activate(mesh, RULES):
+    place = lambda x, axes: shard_batch(x, mesh, RULES, axes)  # noqa: E731
+    q_s = place(q, ("activation_batch", "activation_length", "activation_heads", None))
+    k_s, v_s = (place(x, ("activation_batch", "activation_length", "activation_kv_heads", None)) for x in (k, v))
+    segments_s = place(segments, ("activation_batch", "activation_length"))
+    out = jax.jit(split)(q_s, k_s, v_s, segments_s)
+    grads = jax.jit(jax.grad(objective(split), argnums=(0, 1, 2)))(q_s, k_s, v_s, segments_s)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=atol)
+  for got, want in zip(grads, expected_grads):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * max(1.0, float(np.abs(want).max())))
+  return out, grads
+
+
 @pytest.mark.parametrize("length", [64, 1024])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_the_unsplit(
@@ -107,15 +133,9 @@ def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_th
   rs = np.random.RandomState(1)
   q = rs.normal(size=(2, length, 4, 16)).astype(np.float32)
   k, v = (rs.normal(size=(2, length, 2, 16)).astype(np.float32) for _ in range(2))
-  weights = rs.normal(size=q.shape).astype(np.float32)
   segments = np.ones((2, length), np.int32)
   segments[0, length // 2 - 2 :] = 2
   segments[1, length - 5 :] = 0
-
-  def objective(kernel):
-    return lambda q, k, v, s: jnp.sum(kernel(q, k, v, s) * weights)
-
-  one = lambda q, k, v, s: attention_lib.xla_attention(q, k, v, q_segment_ids=s, kv_segment_ids=s)  # noqa: E731
 
   def split(q, k, v, s):
     if strategy != "zigzag":
@@ -124,19 +144,7 @@ def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_th
     out = context_lib.context_attention(zig(q), zig(k), zig(v), segment_ids=zig(s), strategy=strategy)
     return context_lib.from_zigzag(out, ("activation_batch", "activation_length", None, None))
 
-  expected = one(q, k, v, segments)
-  expected_grads = jax.grad(objective(one), argnums=(0, 1, 2))(q, k, v, segments)
-  mesh = sharding.make_mesh(dict(data=2, fsdp=1, context=4, tensor=1))
-  with sharding.activate(mesh, RULES):
-    place = lambda x, axes: shard_batch(x, mesh, RULES, axes)  # noqa: E731
-    q_s = place(q, ("activation_batch", "activation_length", "activation_heads", None))
-    k_s, v_s = (place(x, ("activation_batch", "activation_length", "activation_kv_heads", None)) for x in (k, v))
-    segments_s = place(segments, ("activation_batch", "activation_length"))
-    out = jax.jit(split)(q_s, k_s, v_s, segments_s)
-    grads = jax.jit(jax.grad(objective(split), argnums=(0, 1, 2)))(q_s, k_s, v_s, segments_s)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-6)
-  for got, want in zip(grads, expected_grads):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * max(1.0, float(np.abs(want).max())))
+  out, _ = split_equals_one_device(split, dict(data=2, fsdp=1, context=4, tensor=1), q, k, v, segments, atol=2e-6)
   assert {shard.data.shape for shard in out.addressable_shards} == {(1, length // 4, 4, 16)}
 
 
@@ -174,11 +182,35 @@ def test_training_steps_with_context_2_match_one_device_and_a_checkpoint_moves_t
   np.testing.assert_allclose(later, losses_1[3:], rtol=1e-5)
 
 
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=1, context=4, tensor=1), dict(data=2, fsdp=1, context=2, tensor=2)])
+def test_splash_inside_the_all_gather_strategy_s_slices_equals_the_unsplit_attention(mesh):
+  """The TPU kernel of the all-gather strategy, run by the Pallas interpreter: each device's 128-query slice (one
+  splash block, so the query rows of the kernel's mask tables split evenly) against the gathered keys, with GQA and
+  packed segments that cross slices. Output and gradients equal the one-device XLA kernel's; q, k and v stay split."""
+  rs = np.random.RandomState(2)
+  length = 128 * mesh["context"]
+  q = rs.normal(size=(2, length, 4, 64)).astype(np.float32)
+  k, v = (rs.normal(size=(2, length, 2, 64)).astype(np.float32) for _ in range(2))
+  segments = np.ones((2, length), np.int32)
+  segments[0, 100:300] = 2
+  segments[1, length - 70 :] = 3
+
+  split = lambda q, k, v, s: context_lib.context_attention(q, k, v, segment_ids=s, interpret=True)  # noqa: E731
+  _, grads = split_equals_one_device(split, mesh, q, k, v, segments, atol=2e-5)
+  for got in grads:
+    assert {shard.data.shape[1] for shard in got.addressable_shards} == {128}
+
+
 def test_a_context_axis_that_does_not_divide_the_sequence_is_one_line():
   with pytest.raises(ConfigError, match=r"mesh.context=3 must divide train.seq_len=32"):
     run_config_lib.run_config_from(run_config(dict(fsdp=1, context=3)))
   with pytest.raises(ConfigError, match=r"zigzag' needs 2 × mesh.context=64 to divide train.seq_len=32"):
     run_config_lib.run_config_from(run_config(dict(fsdp=1, context=32), context_strategy="zigzag"))
+  with pytest.raises(ConfigError, match=r"model.attention='splash' cannot run inside a context slice .*'ring' merges"):
+    run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="splash", context_strategy="ring"))
+  with pytest.raises(ConfigError, match=r"model.attention='cudnn' cannot run inside a context slice .*cuDNN's causal"):
+    run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="cudnn"))
+  run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="splash"))  # all_gather: splash on TPU
   with pytest.raises(ConfigError, match=r"context_strategy must be one of all_gather, ring, zigzag; got 'ulysses'"):
     ModelConfig(context_strategy="ulysses")
 
