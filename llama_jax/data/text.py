@@ -194,7 +194,7 @@ def tokenize_documents(refs: Sequence[DocumentRef], tokenizer, text_field: str =
   """The documents as one in-memory token stream (``document_ids`` each), for evaluating files not prepared."""
   texts = [text for _, text, _ in iter_documents(refs, text_field)]
   ids = tokenizer.encode_batch([t for t in texts if t.strip()])
-  return np.asarray([t for doc in ids for t in tokenizer.document_ids(doc)], dtype=np.int32)
+  return np.asarray(tokenizer.flat_document_ids(ids)[0], dtype=np.int32)
 
 
 def open_split(prepared_dir: str, split: str, seq_len: int) -> TokenWindows:

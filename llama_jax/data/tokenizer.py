@@ -74,6 +74,21 @@ class TokenizerBase:
     the boundary the model learns to end on."""
     return [self.bos_id] * self.adds_bos + list(ids) + [self.eos_id]
 
+  def flat_document_ids(self, batch: Iterable[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(`document_ids` of each document of `batch`, one after another in one list; each one's length). Built in
+    place by list.extend (C): the streaming packer's group and the evaluation stream. Per-document lists joined
+    by np.fromiter over a chain took 9% of a streaming worker's time beside encode_batch (2-core EPYC)."""
+    flat: list[int] = []
+    lengths: list[int] = []
+    bos = [self.bos_id] * self.adds_bos
+    for ids in batch:
+      start = len(flat)
+      flat += bos
+      flat += ids
+      flat.append(self.eos_id)
+      lengths.append(len(flat) - start)
+    return flat, lengths
+
   def files(self) -> dict[str, bytes]:
     """The files that make up this tokenizer in a checkpoint directory, by name (to copy it into one)."""
     return {self.main_file: self.main_file_bytes(), **self._side_files}

@@ -152,6 +152,43 @@ def damaged_files(directory) -> list[tuple[str, str]]:
   return cases
 
 
+JSON_LINES = [
+  b'{"text": "plain"}',
+  b'  {"text": "spaces round it"}\t\r',
+  b'\xef\xbb\xbf{"text": "after a byte-order mark"}',
+  '{"text": "caf\u00e9 \\u00e9 \\ud83d\\ude00 \u4e2d"}'.encode(),
+  b'{"text": "x", "n": NaN, "m": -Infinity, "deep": [1, {"a": [null, true, 2.5e-3]}]}',
+  b'["not", "an object"]',
+  b'"a string"',
+  b"17",
+  b"{not json",
+  b'{"text": "a"} {"text": "b"}',
+  b'{"text": "a"}, {"text": "b"}',
+  b'{"text": "cut',
+  b'{"text": "a"}\x00',
+  b"\xff\xfe{}",
+  b'{"text": "\xc3"}',
+  b"",
+  b"   ",
+  b"]",
+  '{"text": "a"}\u3000'.encode(),
+]
+
+
+@pytest.mark.parametrize("raw", JSON_LINES)
+def test_a_json_line_reads_as_json_loads_reads_it(raw):
+  """formats.json_line (the C scanner, called directly) against json.loads, the reference: the same value, or an
+  error where json.loads raises one."""
+  try:
+    expected = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError):
+    with pytest.raises((json.JSONDecodeError, UnicodeDecodeError)):
+      formats.json_line(raw)
+    return
+  got = formats.json_line(raw)
+  assert json.dumps(got) == json.dumps(expected)  # NaN compares unequal to itself; its dump does not
+
+
 def test_damaged_files_and_bad_records_name_the_file_and_line(tmp_path):
   for path, message in damaged_files(tmp_path):
     with pytest.raises(DataError) as error:
