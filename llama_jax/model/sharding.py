@@ -9,6 +9,7 @@ under ``jax.jit(out_shardings=...)``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from llama_jax.core.checks import ConfigError
 from llama_jax.core.errors import LlamaJaxError
 from llama_jax.core.run_config import MESH_AXES, MeshConfig
+
+_log = logging.getLogger(__name__)
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -84,7 +87,15 @@ def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.De
   # out_sharding on every gather).
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
   if dcn == 1:
-    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    try:
+      return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+      # On a TPU slice jax lays each mesh axis over whole physical (ICI) axes; an axis that is no product of them
+      # (context 8 × fsdp 8 on v5p-128's 4×4×4 chips) is refused. Splitting a physical axis between two mesh axes
+      # still gives every mesh axis neighbouring chips (MaxText's allow_split_physical_axes).
+      _log.warning("mesh %s does not map onto whole physical axes of these devices; splitting them", shape)
+      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+      return Mesh(grid, MESH_AXES, axis_types=axis_types)
   # Multi-slice: only the data axis crosses the slow network (one gradient all-reduce per step); fsdp and tensor
   # stay inside a slice. Slices are TPU slice indices, or processes where devices have none (GPU hosts, CPU tests).
   by_process = not hasattr(devices[0], "slice_index")

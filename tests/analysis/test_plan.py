@@ -1,5 +1,6 @@
 """The AOT planner's command line: a real plan for 8 simulated devices, and one-line errors before compiling."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -86,6 +87,28 @@ def test_topology_without_libtpu_says_how_to_install_it(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else find_spec(name, *a))
   with pytest.raises(memory.PlanError, match=r'needs the TPU compiler \(libtpu\).*pip install -e "\.\[tpu-aot\]"'):
     tpu.tpu_devices("v4-8")
+
+
+MESH_SPLIT_SCRIPT = """
+from llama_jax.analysis import tpu
+from llama_jax.model import sharding
+devices = tpu.tpu_devices("v5p-128")
+mesh = sharding.make_mesh(dict(data=1, fsdp=8, context=8, tensor=1), devices)
+assert dict(mesh.shape) == dict(data=1, fsdp=8, expert=1, context=8, tensor=1), mesh.shape
+assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install -e ".[tpu-aot]"')
+def test_a_mesh_axis_that_is_no_product_of_the_slice_s_physical_axes_splits_one():
+  """fsdp 8 × context 8 on v5p-128 (4×4×4 chips): jax refuses to lay 8 over whole physical axes of 4 (a traceback
+  from `plan` before); the mesh splits one instead, every chip once."""
+  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+    [sys.executable, "-c", MESH_SPLIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
+  assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 # The decode plan of the tiny config (4 heads, 4 kv heads, 4 layers, tied embeddings) on 8 devices as data 2 ×
