@@ -21,7 +21,12 @@ from llama_jax.model import sharding
 Array = jax.Array
 # Masked scores: a large finite value rather than -inf, so a fully masked row (padding) gives a uniform row, never NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of this many tokens
+SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of this many tokens ...
+# ... or of this many where the sequence (each device's slice of the queries, and the keys) divides into them, as
+# MaxText's defaults do: the kernel keeps its mask tables, a few entries per pair of blocks, in the chip's 1 MiB of
+# SMEM, and with 128-token blocks a 131,072-token sequence's needed 2 MiB ("would exceed memory" in smem, TPU
+# compiler, Llama 3 8B and LLaMA 7B on v5p), and 262,144 tokens over context 8 1.5 MiB.
+LONG_SPLASH_BLOCK = 512
 MIN_CHUNK = 64  # "chunked": query rows per chunk (the fastest on XLA:CPU at T = 256 and 512) ...
 MAX_CHUNKS = 16  # ... or more, to keep the unrolled chunk loop at most this long
 LONG_SEQUENCE = 2048  # "chunked" from this length on rematerialises each chunk: memory ∝ T·chunk, not T²/2
@@ -293,7 +298,19 @@ def splash_kernel(groups: int, q_len: int, kv_len: int, *, q_seq_shards: int = 1
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
   mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(groups)])
-  return splash.make_splash_mqa(mask, head_shards=1, q_seq_shards=q_seq_shards, interpret=interpret)
+  long = (q_len // q_seq_shards) % LONG_SPLASH_BLOCK == 0 and kv_len % LONG_SPLASH_BLOCK == 0
+  block = LONG_SPLASH_BLOCK if long else SPLASH_BLOCK
+  sizes = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=q_seq_shards, interpret=interpret)
 
 
 def splash_per_device(

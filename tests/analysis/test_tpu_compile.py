@@ -165,8 +165,8 @@ def test_splash_runs_inside_each_chip_s_slice_of_the_all_gather_strategy(plans):
   """Context=4 with attention "auto" on TPU: splash attends each chip's 2,048 queries to the gathered 8,192 keys (its
   mask tables split by query rows), forward twice per layer (remat), dq and dkv once. Activations per chip, against
   splash on one chip: a quarter, plus one layer's gathered keys and values and their whole-sequence float32
-  gradients, which every chip holds whole (the all-gather strategy's price; measured, libtpu 0.0.42.1: 0.34 of one
-  chip's with them, 0.24 without; 117 MiB against the XLA blocks' 141 MiB)."""
+  gradients, which every chip holds whole (the all-gather strategy's price; measured, libtpu 0.0.42.1, 512-token
+  splash blocks: 0.33 of one chip's with them, 0.23 without; 115 MiB against the XLA blocks' 141 MiB)."""
   one, plan = plans["v5p-8/one_chip_splash_8k"], plans["v5p-8/context4_all_gather_splash_8k"]
   xla_blocks = plans["v5p-8/context4_all_gather_8k"]
   fixed = plans["v5p-8/one_chip_128"]["temp_bytes"]

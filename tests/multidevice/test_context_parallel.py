@@ -182,13 +182,18 @@ def test_training_steps_with_context_2_match_one_device_and_a_checkpoint_moves_t
   np.testing.assert_allclose(later, losses_1[3:], rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=1, context=4, tensor=1), dict(data=2, fsdp=1, context=2, tensor=2)])
-def test_splash_inside_the_all_gather_strategy_s_slices_equals_the_unsplit_attention(mesh):
-  """The TPU kernel of the all-gather strategy, run by the Pallas interpreter: each device's 128-query slice (one
-  splash block, so the query rows of the kernel's mask tables split evenly) against the gathered keys, with GQA and
-  packed segments that cross slices. Output and gradients equal the one-device XLA kernel's; q, k and v stay split."""
+@pytest.mark.parametrize(
+  "mesh, block",
+  [(dict(data=2, fsdp=1, context=4, tensor=1), 128), (dict(data=2, fsdp=1, context=2, tensor=2), 512)],
+  ids=["context4_data2_blocks128", "context2_tensor2_data2_blocks512"],
+)
+def test_splash_inside_the_all_gather_strategy_s_slices_equals_the_unsplit_attention(mesh, block):
+  """The TPU kernel of the all-gather strategy, run by the Pallas interpreter: each device's slice of one splash
+  block of queries (128 tokens, or 512, the tiles of slices that divide into them), so that the query rows of the
+  kernel's mask tables split evenly, against the gathered keys, with GQA and packed segments that cross slices.
+  Output and gradients equal the one-device XLA kernel's; q, k and v stay split."""
   rs = np.random.RandomState(2)
-  length = 128 * mesh["context"]
+  length = block * mesh["context"]
   q = rs.normal(size=(2, length, 4, 64)).astype(np.float32)
   k, v = (rs.normal(size=(2, length, 2, 64)).astype(np.float32) for _ in range(2))
   segments = np.ones((2, length), np.int32)
@@ -198,7 +203,9 @@ def test_splash_inside_the_all_gather_strategy_s_slices_equals_the_unsplit_atten
   split = lambda q, k, v, s: context_lib.context_attention(q, k, v, segment_ids=s, interpret=True)  # noqa: E731
   _, grads = split_equals_one_device(split, mesh, q, k, v, segments, atol=2e-5)
   for got in grads:
-    assert {shard.data.shape[1] for shard in got.addressable_shards} == {128}
+    assert {shard.data.shape[1] for shard in got.addressable_shards} == {block}
+  kernel = attention_lib.splash_kernel(2, length, length, q_seq_shards=mesh["context"])
+  assert kernel.kwargs["block_sizes"].block_q == kernel.kwargs["block_sizes"].block_kv_dkv == block
 
 
 def test_a_context_axis_that_does_not_divide_the_sequence_is_one_line():
