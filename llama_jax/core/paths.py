@@ -111,8 +111,13 @@ def local_file(file: str) -> str:
     return file
   local = os.path.join(local_dir(os.path.dirname(file), "files"), os.path.basename(file))
   os.makedirs(os.path.dirname(local), exist_ok=True)
-  with open(local, "wb") as f:
+  # Under a name of this process's, then renamed: processes reading one gs:// run at once (sample, evaluate, viz,
+  # a server) share this cache, and a copy rewritten in place was read half written ("not a sentencepiece model",
+  # a CI run of tests/checkpoint/test_gcs_workdir.py).
+  partial = f"{local}.{os.getpid()}.partial"
+  with open(partial, "wb") as f:
     f.write(epath.Path(file).read_bytes())
+  os.replace(partial, local)
   return local
 
 
