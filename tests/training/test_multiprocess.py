@@ -300,7 +300,9 @@ def test_two_processes_decode_one_mesh_like_one_process(tmp_path, small_tokenize
   ]
   printed = [text[text.find("-" * 40) :] if "-" * 40 in text else text for text in printed]
   assert printed[0] == single.stdout and single.stdout.count("-" * 40) == 2
-  assert printed[1] == ""
+  # Process 1 prints none of the sampler's output; what Gloo leaves there can be a bare newline (a CI run) or a
+  # fragment of its interleaved lines, so its stdout is checked for the sampler's separators and prompts instead.
+  assert "-" * 40 not in outputs[1][0] and "Shall I" not in outputs[1][0], outputs[1][0]
   assert "of 8 cpu device(s)" in outputs[0][1]
 
 
