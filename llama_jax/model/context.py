@@ -69,25 +69,21 @@ def context_attention(
 ) -> Array:
   """Causal self-attention (T == S) of a sequence split over the context axes, by `strategy` (module docstring);
   "zigzag" takes and returns the zigzag layout (`to_zigzag`), the others the natural one. `implementation` is
-  model.attention (`slice_kernel`); `interpret=True` runs the all-gather strategy's splash kernel by the Pallas
-  interpreter on any backend (tests)."""
+  model.attention (`slice_kernel`); `interpret=True` chooses the kernel as on TPU and runs splash, where chosen, by
+  the Pallas interpreter on any backend (tests)."""
   if strategy not in CONTEXT_STRATEGIES:
     raise ValueError(f"context strategy must be one of {', '.join(CONTEXT_STRATEGIES)}; got {strategy!r}")
   if (problem := unsupported_context_kernel(implementation, strategy)) is not None:
     raise ValueError(f"attention={implementation!r} cannot run inside a context slice: {problem}")
   axes, shards = sharding.context_axes()
   batch, q_len, n_heads, head_dim = q_BTNH.shape
-  kernel = (
-    "splash"
-    if interpret
-    else slice_kernel(
-      implementation,
-      sharding.target_platform(),
-      strategy=strategy,
-      seq_len=q_len,
-      shards=shards,
-      head_dim=head_dim,
-    )
+  kernel = slice_kernel(
+    implementation,
+    "tpu" if interpret else sharding.target_platform(),  # the interpreter runs the TPU kernel on any backend
+    strategy=strategy,
+    seq_len=q_len,
+    shards=shards,
+    head_dim=head_dim,
   )
   pieces = 2 * shards if strategy == "zigzag" else shards
   if q_len % pieces:
@@ -108,11 +104,14 @@ def context_attention(
   if chunk is not None and strategy == "zigzag" and (block // 2) % chunk:
     chunk = attention_lib.chunk_size(block // 2)
 
+  def gather_sequence(*slices_BC):
+    """The whole sequence of each [B, C, ...] slice, by one all-gather over the context axes (its gradient is
+    reduce-scattered)."""
+    return tuple(jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in slices_BC)
+
   def gathered(q_BCNH, k_BCKH, v_BCKH, segments_BC):
     first = jax.lax.axis_index(axes) * block
-    k_BSKH, v_BSKH, segments_BS = (
-      jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k_BCKH, v_BCKH, segments_BC)
-    )
+    k_BSKH, v_BSKH, segments_BS = gather_sequence(k_BCKH, v_BCKH, segments_BC)
     kv_positions_BS = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), segments_BS.shape)
 
     def attend(q_BRNH, segments_BR, start):
@@ -241,9 +240,7 @@ def context_attention(
     )
 
     def gathered_splash(splash, q_BCNH, k_BCKH, v_BCKH, segments_BC):
-      k_BSKH, v_BSKH, segments_BS = (
-        jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k_BCKH, v_BCKH, segments_BC)
-      )
+      k_BSKH, v_BSKH, segments_BS = gather_sequence(k_BCKH, v_BCKH, segments_BC)
       return attention_lib.splash_per_device(splash, q_BCNH, k_BSKH, v_BSKH, segments_BC, segments_BS)
 
     run = jax.shard_map(
