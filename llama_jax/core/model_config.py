@@ -32,8 +32,6 @@ def unsupported_context_kernel(requested: str, strategy: str) -> str | None:
   blocks, as `attention.choose_implementation` falls back without context parallelism)."""
   if requested == "cudnn":
     return "cuDNN's causal mask cannot place a slice of the queries against the whole sequence's keys"
-  if requested == "splash" and strategy != "all_gather":
-    return f"{strategy!r} merges blocks by their running softmax, which splash does not return with a gradient"
   return None
 
 

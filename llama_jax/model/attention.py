@@ -290,14 +290,26 @@ def splash_attention(
   return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
 
 
-def splash_kernel(groups: int, q_len: int, kv_len: int, *, q_seq_shards: int = 1, interpret: bool = False):
-  """The splash kernel of causal attention of `groups` query heads to one kv head, [q_len] queries against [kv_len]
-  keys. With `q_seq_shards` > 1 its mask tables are split by query rows, so that under ``shard_map`` (the kernel
-  passed in with `kernel.manual_sharding_spec`) each of that many devices attends its own slice of the queries to
-  all the keys by global index (context parallelism's all-gather strategy)."""
+def splash_kernel(
+  groups: int,
+  q_len: int,
+  kv_len: int,
+  *,
+  q_seq_shards: int = 1,
+  causal: bool = True,
+  save_residuals: bool = False,
+  interpret: bool = False,
+):
+  """The splash kernel of attention of `groups` query heads to one kv head, [q_len] queries against [kv_len] keys,
+  causal or (`causal=False`) every query to every key (segment ids still apply). With `q_seq_shards` > 1 its mask
+  tables are split by query rows, so that under ``shard_map`` (the kernel passed in with
+  `kernel.manual_sharding_spec`) each of that many devices attends its own slice of the queries to all the keys by
+  global index (context parallelism's all-gather strategy). `save_residuals` makes it return each row's log-sum-exp
+  beside the output, with no gradient (`splash_with_lse`; the ring's blocks)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-  mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(groups)])
+  shape = (q_len, kv_len)
+  mask = splash.MultiHeadMask([splash.CausalMask(shape) if causal else splash.FullMask(shape) for _ in range(groups)])
   long = (q_len // q_seq_shards) % LONG_SPLASH_BLOCK == 0 and kv_len % LONG_SPLASH_BLOCK == 0
   block = LONG_SPLASH_BLOCK if long else SPLASH_BLOCK
   sizes = splash.BlockSizes(
@@ -310,23 +322,116 @@ def splash_kernel(groups: int, q_len: int, kv_len: int, *, q_seq_shards: int = 1
     block_q_dq=block,
     block_kv_dq=block,
   )
-  return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=q_seq_shards, interpret=interpret)
+  return splash.make_splash_mqa(
+    mask,
+    block_sizes=sizes,
+    head_shards=1,
+    q_seq_shards=q_seq_shards,
+    save_residuals=save_residuals,
+    interpret=interpret,
+  )
+
+
+def splash_with_lse(
+  kernel, q_BKGTH: Array, k_BKSH: Array, v_BKSH: Array, q_segments_BT: Array, kv_segments_BS: Array
+) -> tuple[Array, Array]:
+  """The output [B, K, G, T, H] and float32 log-sum-exp [B, K, G, T] of `kernel` (made with save_residuals) on
+  scaled queries in the kernel's layout; not differentiable (`splash_block_gradients` is its backward pass)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+  def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S):
+    out_GTH, (lse_GT,) = kernel(q_GTH, k_SH, v_SH, segment_ids=splash.SegmentIds(q=q_segments_T, kv=kv_segments_S))
+    return out_GTH, lse_GT.astype(jnp.float32)
+
+  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+  return jax.vmap(per_head)(q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS)
+
+
+def splash_block_gradients(
+  kernel,
+  q_BKGTH: Array,
+  k_BKSH: Array,
+  v_BKSH: Array,
+  q_segments_BT: Array,
+  kv_segments_BS: Array,
+  out_BKGTH: Array,
+  lse_BKGT: Array,
+  dout_BKGTH: Array,
+) -> tuple[Array, Array, Array]:
+  """The gradients (dq, dk, dv) of one block of keys' share in attention whose output and log-sum-exp per query row
+  are `out` and `lse` over all blocks: splash's own backward kernels, given those residuals instead of the block's.
+  With the whole row's log-sum-exp each block's probabilities are the true ones, and with the whole row's output
+  the softmax term rowsum(dout · out) is too, so the blocks' gradients add up to the whole attention's, as in flash
+  attention's backward pass. (splash's public call returns its log-sum-exp without a gradient, so a merge of blocks
+  by it could not be differentiated through the kernel.) The backward entry point is a private one of jax's splash
+  module (`has_splash_block_gradients`); where a jax lacks it the ring keeps the XLA blocks."""
+  internals = _splash_internals()
+  args = kernel.kwargs
+
+  def collapsed(info):
+    # As splash's own entry point does: partial mask blocks [heads, q blocks, kv blocks, bq, bkv] → [-1, bq, bkv].
+    if info is None or info.partial_mask_blocks is None:
+      return info
+    return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:]))
+
+  def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S, out_GTH, lse_GT, dout_GTH):
+    ids = internals.SegmentIds(q=q_segments_T, kv=kv_segments_S)
+    residuals = (q_GTH, k_SH, v_SH, ids, None, out_GTH, lse_GT)
+    residuals += (collapsed(kernel.dq_mask_info), collapsed(kernel.dkv_mask_info))
+    grads = internals._splash_attention_bwd(
+      False,
+      args["mask_value"],
+      args["is_mqa"],
+      args["block_sizes"],
+      None,
+      args["mask_function"],
+      args["attn_logits_soft_cap"],
+      args["interpret"],
+      residuals,
+      dout_GTH,
+    )
+    return grads[3:6]
+
+  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None, 0, 0, 0))
+  return jax.vmap(per_head)(q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS, out_BKGTH, lse_BKGT, dout_BKGTH)
+
+
+def has_splash_block_gradients() -> bool:
+  """Whether this jax has the splash backward entry point `splash_block_gradients` calls."""
+  return _splash_internals() is not None
+
+
+def _splash_internals():
+  """jax's splash kernel module, for its backward entry point (`splash_block_gradients`), or None without it."""
+  try:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+  except ImportError:
+    return None
+  return splash_attention_kernel if hasattr(splash_attention_kernel, "_splash_attention_bwd") else None
+
+
+def kernel_layout(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array) -> tuple[Array, Array, Array]:
+  """Queries [B, K, G, T, H], scaled, and keys and values [B, K, S, H]: splash's layout (the kernel attends one kv
+  head's group of query heads at a time and does not scale the scores)."""
+  batch, q_len, _, head_dim = q_BTNH.shape
+  n_kv_heads = k_BSKH.shape[2]
+  scaled_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(head_dim), q_BTNH.dtype)
+  q_BKGTH = scaled_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4)
+  return q_BKGTH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+
+
+def from_kernel_layout(out_BKGTH: Array, like_BTNH: Array) -> Array:
+  """The inverse of `kernel_layout` for the output: [B, T, N, H] in the queries' dtype."""
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(like_BTNH.shape).astype(like_BTNH.dtype)
 
 
 def splash_per_device(
   kernel, q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, q_segments_BT: Array | None, kv_segments_BS: Array | None
 ) -> Array:
-  """`kernel` (`splash_kernel`) on one device's arrays. The kernel works on one sequence and one kv head at a time
-  ([G, T, H] queries against [S, H] keys) and does not scale the scores, so the queries are scaled here and the
-  kernel vmapped over batch and kv heads."""
+  """`kernel` (`splash_kernel`) on one device's arrays, vmapped over batch and kv heads (`kernel_layout`)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-  batch, q_len, _, head_dim = q_BTNH.shape
-  n_kv_heads = k_BSKH.shape[2]
-  scaled_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(head_dim), q_BTNH.dtype)
-  q_BKGTH = scaled_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4)
-  k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
-  v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
+  q_BKGTH, k_BKSH, v_BKSH = kernel_layout(q_BTNH, k_BSKH, v_BSKH)
 
   def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S):
     ids = None if q_segments_T is None else splash.SegmentIds(q=q_segments_T, kv=kv_segments_S)
@@ -337,4 +442,4 @@ def splash_per_device(
   out_BKGTH = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis, seg_axis))(
     q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS
   )
-  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
+  return from_kernel_layout(out_BKGTH, q_BTNH)

@@ -19,14 +19,15 @@ Strategies (``model.context_strategy``):
   layout once per step (`to_zigzag`) and its residual stream back (`from_zigzag`): between them every other layer
   is per token, and attention masks by the tokens' own indices, so the numbers are the natural layout's.
 
-Kernels (`slice_kernel`): with "all_gather" on TPU, splash attends each device's queries to the gathered keys (its
-mask tables split by query rows over the context axes, so each device computes only its rows' visible blocks), when
-the slice is a whole number of splash blocks and the head dim a multiple of 64 (as without context parallelism).
-Otherwise, and for the ring's and zigzag's blocks, the XLA kernel runs, by query chunks when the sequence is
-LONG_SEQUENCE tokens or more (`attention.map_query_chunks`). The ring merges each block's softmax by its running
-max and sum; splash returns its log-sum-exp only without a gradient through it, so a splash ring would need its own
-backward pass (not written). cuDNN's causal mask is aligned to the first key, so it cannot mask a slice of the
-queries against the gathered keys: no cuDNN inside a context slice.
+Kernels (`slice_kernel`): on TPU, splash, when what it attends at once is a whole number of splash blocks and the
+head dim a multiple of 64 (as without context parallelism). With "all_gather" each device's queries attend the
+gathered keys, the kernel's mask tables split by query rows over the context axes, so each device computes only its
+rows' visible blocks. With "ring" and "zigzag" splash computes each block and the blocks merge by the kernel's
+log-sum-exp; splash gives that no gradient, so `splash_ring` writes the backward pass, a second trip round the ring
+with splash's backward kernels given the whole rows' output and log-sum-exp. Otherwise the XLA kernel runs, by query
+chunks when the sequence is LONG_SEQUENCE tokens or more (`attention.map_query_chunks`). cuDNN's causal mask is
+aligned to the first key, so it cannot mask a slice of the queries against the gathered keys: no cuDNN inside a
+context slice (GPU: the XLA blocks).
 """
 
 from __future__ import annotations
@@ -45,16 +46,138 @@ Array = jax.Array
 
 
 def slice_kernel(requested: str, backend: str, *, strategy: str, seq_len: int, shards: int, head_dim: int) -> str:
-  """The kernel inside each device's slice: "splash" (the all-gather strategy on TPU, `requested` auto or splash,
-  slices a whole number of splash blocks, head dim a multiple of 64) or "xla" (the XLA blocks)."""
+  """The kernel inside each device's slice: "splash" on TPU (`requested` auto or splash, head dim a multiple of 64)
+  when what it attends at once is a whole number of splash blocks: the slice (all_gather, ring) or half a slice
+  (zigzag's blocks after its own), and for the ring and zigzag this jax has splash's backward entry point
+  (`attention.has_splash_block_gradients`); otherwise "xla" (the XLA blocks)."""
+  piece = seq_len // shards // (2 if strategy == "zigzag" else 1)
   splash = (
     requested in ("auto", "splash")
-    and strategy == "all_gather"
     and backend == "tpu"
-    and (seq_len // shards) % attention_lib.SPLASH_BLOCK == 0
+    and piece % attention_lib.SPLASH_BLOCK == 0
     and head_dim % 64 == 0
+    and (strategy == "all_gather" or attention_lib.has_splash_block_gradients())
   )
   return "splash" if splash else "xla"
+
+
+def splash_ring(q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array, *, zigzag: bool, interpret: bool):
+  """The ring (or zigzag) of one device under ``shard_map`` with splash on every block: the same blocks as the XLA
+  ring computes (`context_attention`'s ring), each block's output and log-sum-exp from the kernel merged by their
+  log-sum-exps. splash gives its log-sum-exp no gradient, so the backward pass is written here: the blocks go round
+  the ring once more, each with the gradients of its keys and values so far, and splash's backward kernels give
+  each block's share given the whole rows' output and log-sum-exp (`attention.splash_block_gradients`); after the
+  last step the key and value gradients move on once more, to the device that holds their block. Kept for the
+  backward pass: this device's queries, keys, values, output and log-sum-exp, no block's scores or partial output.
+
+  Blocks: step 0 is the device's own block, causal (also in the zigzag layout, where the device's early chunk
+  precedes its late one). After it every visible pair is whole: the ring attends all queries to a block from an
+  earlier device and ignores one from a later device (computed, its log-sum-exp set to -inf: the step waits for the
+  slowest device anyway); zigzag attends its late chunk's queries to the early half of every block, and either its
+  early queries to the early half (an earlier device) or its late queries to the late half (a later one)."""
+  axes, shards = sharding.context_axes()
+  block = q_BCNH.shape[1]
+  half = block // 2
+  groups = q_BCNH.shape[2] // k_BCKH.shape[2]
+  own = attention_lib.splash_kernel(groups, block, block, save_residuals=True, interpret=interpret)
+  length = half if zigzag else block
+  whole = attention_lib.splash_kernel(groups, length, length, causal=False, save_residuals=True, interpret=interpret)
+  to_next = [(i, (i + 1) % shards) for i in range(shards)]
+
+  def pieces(step, index):
+    """(kernel: 0 own or 1 whole, first query row, first key, visible) of each product step `step` computes on
+    device `index`."""
+    if step == 0:
+      return [(0, 0, 0, True)]
+    source = (index - step) % shards
+    if not zigzag:
+      return [(1, 0, 0, source < index)]
+    same = jnp.where(source < index, 0, half)
+    return [(1, half, 0, True), (1, same, same, True)]
+
+  def cut(x, start, axis, which):
+    """The rows (or keys) of `x` from `start` that kernel `which` attends, on `axis`."""
+    return jax.lax.dynamic_slice_in_dim(x, start, (block, length)[which], axis)
+
+  def product(kernels, which, row, col, q_BKGCH, kv, segments_BC):
+    """The splash arguments of one product: kernel `which`, the queries from `row` and the held block's keys and
+    values from `col`, with their segment ids."""
+    k_BKRH, v_BKRH, kv_segments_BR = (cut(x, col, axis, which) for x, axis in zip(kv, (2, 2, 1)))
+    q_BKGRH, segments_BR = cut(q_BKGCH, row, 3, which), cut(segments_BC, row, 1, which)
+    return kernels[which], q_BKGRH, k_BKRH, v_BKRH, segments_BR, kv_segments_BR
+
+  def add(x, part, start, axis):
+    return jax.lax.dynamic_update_slice_in_dim(
+      x, jax.lax.dynamic_slice_in_dim(x, start, part.shape[axis], axis) + part, start, axis
+    )
+
+  def forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC):
+    index = jax.lax.axis_index(axes)
+    kv = (k_BKCH, v_BKCH, segments_BC)
+    for step in range(shards):
+      if step < shards - 1:
+        next_kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)  # in flight during this step's products
+      for which, row, col, visible in pieces(step, index):
+        out_BKGRH, lse_BKGR = attention_lib.splash_with_lse(
+          *product(kernels, which, row, col, q_BKGCH, kv, segments_BC)
+        )
+        if step == 0:
+          out_BKGCH, lse_BKGC = out_BKGRH.astype(jnp.float32), lse_BKGR
+          continue
+        lse_BKGR = jnp.where(visible, lse_BKGR, -jnp.inf)
+        running_BKGRH, running_BKGR = cut(out_BKGCH, row, 3, which), cut(lse_BKGC, row, 3, which)
+        merged_BKGR = jnp.logaddexp(running_BKGR, lse_BKGR)
+        running_BKGRH = (
+          running_BKGRH * jnp.exp(running_BKGR - merged_BKGR)[..., None]
+          + out_BKGRH.astype(jnp.float32) * jnp.exp(lse_BKGR - merged_BKGR)[..., None]
+        )
+        out_BKGCH = jax.lax.dynamic_update_slice_in_dim(out_BKGCH, running_BKGRH, row, 3)
+        lse_BKGC = jax.lax.dynamic_update_slice_in_dim(lse_BKGC, merged_BKGR, row, 3)
+      if step < shards - 1:
+        # The next block's products wait for this one's merge: otherwise the compiler ran every step's kernel first
+        # and kept each block's output and 128-lane log-sum-exp alive at once (TPU compiler, 8,192 tokens on context
+        # 4, the barrier in both passes: temporaries per chip 135.7 → 116.6 MiB for the ring, 158.5 → 138.4 zigzag).
+        (out_BKGCH, lse_BKGC), kv = jax.lax.optimization_barrier(((out_BKGCH, lse_BKGC), next_kv))
+    return out_BKGCH.astype(q_BKGCH.dtype), lse_BKGC
+
+  # The kernels are arguments (pytrees of their mask tables), not closed over: made while tracing the forward pass,
+  # their arrays are that trace's values, which the backward pass, traced later, gets as residuals.
+  @jax.custom_vjp
+  def attend(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC):
+    return forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC)[0]
+
+  def attend_forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC):
+    out_BKGCH, lse_BKGC = forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC)
+    return out_BKGCH, (kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC, out_BKGCH, lse_BKGC)
+
+  def attend_backward(residuals, dout_BKGCH):
+    kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC, out_BKGCH, lse_BKGC = residuals
+    index = jax.lax.axis_index(axes)
+    dq_BKGCH = jnp.zeros(q_BKGCH.shape, jnp.float32)
+    kv = (k_BKCH, v_BKCH, segments_BC)
+    dkv = (jnp.zeros(k_BKCH.shape, jnp.float32), jnp.zeros(v_BKCH.shape, jnp.float32))
+    for step in range(shards):
+      if step < shards - 1:
+        next_kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)
+      for which, row, col, visible in pieces(step, index):
+        grads = attention_lib.splash_block_gradients(
+          *product(kernels, which, row, col, q_BKGCH, kv, segments_BC),
+          cut(out_BKGCH, row, 3, which),
+          cut(lse_BKGC, row, 3, which),
+          cut(dout_BKGCH, row, 3, which),
+        )
+        dq_BKGRH, dk_BKRH, dv_BKRH = (jnp.where(visible, g, 0).astype(jnp.float32) for g in grads)
+        dq_BKGCH = add(dq_BKGCH, dq_BKGRH, row, 3)
+        dkv = (add(dkv[0], dk_BKRH, col, 2), add(dkv[1], dv_BKRH, col, 2))
+      dkv = tuple(jax.lax.ppermute(x, axes, to_next) for x in dkv)
+      if step < shards - 1:
+        dq_BKGCH, kv = jax.lax.optimization_barrier((dq_BKGCH, next_kv))  # as in the forward pass
+    # No cotangents for the kernels' mask tables and the (integer) segment ids.
+    return None, dq_BKGCH.astype(q_BKGCH.dtype), dkv[0].astype(k_BKCH.dtype), dkv[1].astype(v_BKCH.dtype), None
+
+  attend.defvjp(attend_forward, attend_backward)
+  q_BKGCH, k_BKCH, v_BKCH = attention_lib.kernel_layout(q_BCNH, k_BCKH, v_BCKH)
+  return attention_lib.from_kernel_layout(attend((own, whole), q_BKGCH, k_BKCH, v_BKCH, segments_BC), q_BCNH)
 
 
 def context_attention(
@@ -229,7 +352,7 @@ def context_attention(
       "seg": ("activation_batch", "activation_length"),
     }
   )
-  if kernel == "splash":
+  if kernel == "splash" and strategy == "all_gather":
     # Each device's queries against the gathered keys by global index: the kernel's mask tables, made for the whole
     # [T, T] causal mask, travel split by query rows over the context axes.
     splash = attention_lib.splash_kernel(
@@ -250,6 +373,8 @@ def context_attention(
       check_vma=False,
     )
     return run(splash, q_BTNH, k_BSKH, v_BSKH, segment_ids)
+  if kernel == "splash":  # the ring's or zigzag's blocks by splash
+    ring = functools.partial(splash_ring, zigzag=strategy == "zigzag", interpret=interpret)
   run = jax.shard_map(
     gathered if strategy == "all_gather" else ring,
     in_specs=(specs["q"], specs["kv"], specs["kv"], specs["seg"]),

@@ -84,6 +84,17 @@ CONTEXT_CASES = {
     dict(data=1, fsdp=1, context=4, tensor=1),
     dict(CONTEXT_MODEL, context_strategy="zigzag"),
   ),
+  # Splash on the ring's and zigzag's blocks (attention "auto" on TPU), with its own backward pass.
+  "v5p-8/context4_ring_splash_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=1, context=4, tensor=1),
+    dict(CONTEXT_MODEL, attention="auto", context_strategy="ring"),
+  ),
+  "v5p-8/context4_zigzag_splash_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=1, context=4, tensor=1),
+    dict(CONTEXT_MODEL, attention="auto", context_strategy="zigzag"),
+  ),
 }
 
 

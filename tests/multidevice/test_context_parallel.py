@@ -120,6 +120,17 @@ def split_equals_one_device(split, mesh_axes, q, k, v, segments, atol):
   return out, grads
 
 
+def split_attention(q, k, v, segments, *, strategy, interpret=False):
+  """`context_attention` by `strategy` in the natural layout (zigzag's moved there and back)."""
+  if strategy != "zigzag":
+    return context_lib.context_attention(q, k, v, segment_ids=segments, strategy=strategy, interpret=interpret)
+  zig = lambda x: context_lib.to_zigzag(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 2))  # noqa: E731
+  out = context_lib.context_attention(
+    zig(q), zig(k), zig(v), segment_ids=zig(segments), strategy=strategy, interpret=interpret
+  )
+  return context_lib.from_zigzag(out, ("activation_batch", "activation_length", None, None))
+
+
 @pytest.mark.parametrize("length", [64, 1024])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_the_unsplit(
@@ -137,13 +148,7 @@ def test_each_device_holds_its_slice_of_the_sequence_and_the_attention_equals_th
   segments[0, length // 2 - 2 :] = 2
   segments[1, length - 5 :] = 0
 
-  def split(q, k, v, s):
-    if strategy != "zigzag":
-      return context_lib.context_attention(q, k, v, segment_ids=s, strategy=strategy)
-    zig = lambda x: context_lib.to_zigzag(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 2))  # noqa: E731
-    out = context_lib.context_attention(zig(q), zig(k), zig(v), segment_ids=zig(s), strategy=strategy)
-    return context_lib.from_zigzag(out, ("activation_batch", "activation_length", None, None))
-
+  split = functools.partial(split_attention, strategy=strategy)
   out, _ = split_equals_one_device(split, dict(data=2, fsdp=1, context=4, tensor=1), q, k, v, segments, atol=2e-6)
   assert {shard.data.shape for shard in out.addressable_shards} == {(1, length // 4, 4, 16)}
 
@@ -208,16 +213,48 @@ def test_splash_inside_the_all_gather_strategy_s_slices_equals_the_unsplit_atten
   assert kernel.kwargs["block_sizes"].block_q == kernel.kwargs["block_sizes"].block_kv_dkv == block
 
 
+@pytest.mark.parametrize("strategy, block", [("ring", 128), ("zigzag", 256)])
+def test_splash_on_the_ring_s_blocks_equals_the_unsplit_attention_with_its_own_backward_pass(
+  strategy, block, monkeypatch
+):
+  """The ring and zigzag with splash on every block (the Pallas interpreter) on context 4 × data 2: each block's
+  output merged by the kernel's log-sum-exp, gradients by splash's backward kernels given the whole rows' output and
+  log-sum-exp, key and value gradients carried round the ring to their device. Output and gradients equal the
+  one-device XLA kernel's, with GQA and packed segments crossing slices (a row whose segment begins in a later
+  device's slice, a padded tail). Mutations: the key/value gradients left on the device of the last step, or the
+  own block's log-sum-exp instead of the whole rows' in the backward pass, fail it."""
+  rs = np.random.RandomState(3)
+  length = block * 4
+  q = rs.normal(size=(2, length, 4, 64)).astype(np.float32)
+  k, v = (rs.normal(size=(2, length, 2, 64)).astype(np.float32) for _ in range(2))
+  segments = np.ones((2, length), np.int32)
+  segments[0, 100 : length // 2 + 30] = 2
+  segments[1, length - 70 :] = 0
+  calls = []
+  kernel_gradients = attention_lib.splash_block_gradients
+  monkeypatch.setattr(
+    attention_lib,
+    "splash_block_gradients",
+    lambda kernel, q, *a: calls.append(q.shape[3]) or kernel_gradients(kernel, q, *a),
+  )
+  split = functools.partial(split_attention, strategy=strategy, interpret=True)
+  _, grads = split_equals_one_device(split, dict(data=2, fsdp=1, context=4, tensor=1), q, k, v, segments, atol=2e-5)
+  for got in grads:
+    assert {shard.data.shape[1] for shard in got.addressable_shards} == {length // 4}
+  # One backward product per forward product (query rows each): the ring's 4 blocks, or zigzag's own block and two
+  # half blocks a step after it.
+  assert calls == ([block] * 4 if strategy == "ring" else [block] + [block // 2] * 6)
+
+
 def test_a_context_axis_that_does_not_divide_the_sequence_is_one_line():
   with pytest.raises(ConfigError, match=r"mesh.context=3 must divide train.seq_len=32"):
     run_config_lib.run_config_from(run_config(dict(fsdp=1, context=3)))
   with pytest.raises(ConfigError, match=r"zigzag' needs 2 × mesh.context=64 to divide train.seq_len=32"):
     run_config_lib.run_config_from(run_config(dict(fsdp=1, context=32), context_strategy="zigzag"))
-  with pytest.raises(ConfigError, match=r"model.attention='splash' cannot run inside a context slice .*'ring' merges"):
-    run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="splash", context_strategy="ring"))
   with pytest.raises(ConfigError, match=r"model.attention='cudnn' cannot run inside a context slice .*cuDNN's causal"):
     run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="cudnn"))
-  run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="splash"))  # all_gather: splash on TPU
+  for strategy in STRATEGIES:  # splash on TPU inside every strategy's slices
+    run_config_lib.run_config_from(run_config(dict(fsdp=1, context=2), attention="splash", context_strategy=strategy))
   with pytest.raises(ConfigError, match=r"context_strategy must be one of all_gather, ring, zigzag; got 'ulysses'"):
     ModelConfig(context_strategy="ulysses")
 
