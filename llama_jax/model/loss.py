@@ -17,6 +17,7 @@ from flax import nnx
 
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.model import moe as moe_lib
+from llama_jax.model import sharding
 
 # exp() of a mean loss past this many nats is reported as exp(50) (≈ 5e21): an early, diverging model's perplexity
 # stays a finite number in logs and JSON instead of inf.
@@ -82,19 +83,34 @@ def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, chunk: int) -> jax.Array:
+  """`losses_and_router`'s scan over chunks. With the sequence split over context axes into S slices, the chunks are
+  cut within each slice and every scan step takes one chunk from each ([B, S·C] positions, each device its own C):
+  chunks of the whole sequence put each step's positions on one device, so the devices took turns, and the head's
+  weights were gathered and reduced at every step (TPU compiler, Llama 3 8B at 131,072 tokens on fsdp 16 × context
+  4, ring: all-gathers 281.0 → 92.1 GiB per step and chip, all-reduces 128.1 → 34.2 GiB, peak 32.58 → 32.71)."""
   batch, length = targets_BT.shape
-  n_chunks = -(-length // chunk)
-  pad = n_chunks * chunk - length
-  x_WBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
-  targets_WBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+  _, slices = sharding.context_axes()
+  slices = slices if length % slices == 0 else 1
+  per_slice = length // slices
+  n_chunks = -(-per_slice // chunk)
+  pad = n_chunks * chunk - per_slice
+
+  def chunked(x_BT):
+    """[B, T, ...] → [W, B, S·C, ...]: chunk w of every slice side by side, each slice's last chunk padded."""
+    rest = x_BT.shape[2:]
+    x_BSP = jnp.pad(x_BT.reshape(batch, slices, per_slice, *rest), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * len(rest))
+    x_BSWC = x_BSP.reshape(batch, slices, n_chunks, chunk, *rest)
+    return jnp.moveaxis(x_BSWC, 2, 0).reshape(n_chunks, batch, slices * chunk, *rest)
 
   @jax.checkpoint
   def one_chunk(_, inputs):
-    x_BCD, chunk_targets_BC = inputs
-    return None, _cross_entropy(model.logits(x_BCD), chunk_targets_BC)
+    x_BXD, chunk_targets_BX = inputs
+    x_BXD = sharding.constrain(x_BXD, ("activation_batch", "activation_length", "activation_embed"))
+    return None, _cross_entropy(model.logits(x_BXD), chunk_targets_BX)
 
-  _, losses_WBC = jax.lax.scan(one_chunk, None, (x_WBCD, targets_WBC))
-  return losses_WBC.swapaxes(0, 1).reshape(batch, n_chunks * chunk)[:, :length]
+  _, losses_WBX = jax.lax.scan(one_chunk, None, (chunked(x_BTD), chunked(targets_BT)))
+  losses_BSWC = jnp.moveaxis(losses_WBX.reshape(n_chunks, batch, slices, chunk), 0, 2)
+  return losses_BSWC.reshape(batch, slices, n_chunks * chunk)[:, :, :per_slice].reshape(batch, length)
 
 
 def eval_step(

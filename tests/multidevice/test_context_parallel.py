@@ -94,6 +94,19 @@ def test_context_parallel_loss_and_gradients_equal_one_device(reference, mesh_na
     assert "all-gather(" in hlo
 
 
+@pytest.mark.parametrize("mesh_name", ["context8", "context2_fsdp4"])
+def test_the_loss_in_chunks_of_each_context_slice_equals_one_device(reference, mesh_name):
+  """model.loss_chunk under context parallelism cuts the chunks within each device's slice (one chunk of every slice
+  per scan step): 24-token chunks of 8-token slices (context 8: one chunk, mostly padding) and of 32-token slices
+  (context 2: two chunks, the second padded) give one device's unchunked loss and gradients."""
+  params, loss_1, grads_1 = reference
+  cfg = CFG.replace(context_strategy="ring", loss_chunk=24)
+  loss, grads, _ = loss_and_grads(cfg, sharding.make_mesh(MESHES[mesh_name]), params, batch_of())
+  assert loss == pytest.approx(loss_1, rel=TOL)
+  for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_1)):
+    assert np.abs(got - expected).max() <= TOL * max(float(np.abs(expected).max()), 1.0), jax.tree_util.keystr(path)
+
+
 def split_equals_one_device(split, mesh_axes, q, k, v, segments, atol):
   """`split` (attention over a context axis) run on `mesh_axes` with q, k, v and segment ids split as the
   activations' rules say: its output and gradients (of sum(out · w), random w) equal the one-device XLA kernel's.
