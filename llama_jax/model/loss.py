@@ -39,8 +39,9 @@ def losses_and_router(
 
   With the model's `loss_chunk` C > 0 the head and the cross-entropy run over C positions at a time in a scan whose
   body is rematerialised: the backward pass recomputes a chunk's logits instead of keeping them, so at most one
-  chunk's [B, C, V] logits (and their gradient) exist at once. The last chunk is padded; its extra positions are
-  cut off. Each position's loss is the same function of its own logits row either way."""
+  chunk's [B, C, V] logits (and their gradient) exist at once (per context slice: `_chunked_cross_entropy`). The
+  last chunk is padded; its extra positions are cut off. Each position's loss is the same function of its own logits
+  row either way."""
   model = nnx.merge(graphdef, params)
   targets_BT = batch["targets"]
   x_BTD, router = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
