@@ -98,8 +98,32 @@ CONTEXT_CASES = {
 }
 
 
+SCALE_TOKENS = 32768  # `scale_main`'s sequence length
+
+
 def run_config(mesh: dict, model: dict = MODEL, train: dict | None = None) -> run_config_lib.RunConfig:
   return run_config_lib.RunConfig().replace(model=model, mesh=mesh, train=train or dict(batch_size=8, seq_len=256))
+
+
+def scale_main(out: str) -> None:
+  """Context 4 at the scale of Llama 3 8B (the preset, 32,768 tokens, 16 sequences, fsdp 16): each strategy's step
+  on fsdp 16 × context 4 (64 v5p chips, a quarter sequence per chip) and the same step on fsdp 16 alone (16 chips,
+  one sequence per chip), each beside its own step at 128 tokens per chip (the temporaries that do not grow with the
+  sequence: the parameters' gradients and update, which the two meshes lay out differently). The temporaries go
+  to OUT.json (the stress test in tests/analysis/test_tpu_compile.py divides them)."""
+  devices = tpu.tpu_devices("v5p-128")
+  results = {}
+  for strategy in ("ring", "all_gather", "zigzag"):
+    for context in (1, 4) if strategy == "ring" else (4,):
+      for seq in (SCALE_TOKENS, 128 * context):
+        cfg = run_config_lib.load_run_config("configs/llama3_8b.py")
+        cfg.mesh.update(data=1, fsdp=16, context=context, tensor=1)
+        cfg.train.update(seq_len=seq, batch_size=16)
+        cfg.model.update(max_seq_len=SCALE_TOKENS, context_strategy=strategy)
+        plan = plan_lib.plan(cfg, devices[: 16 * context])
+        results[f"{strategy}/context{context}/{seq}"] = plan.temp_bytes
+  with open(out, "w") as f:
+    json.dump(results, f, indent=2)
 
 
 def main(out: str) -> None:
@@ -123,4 +147,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  scale_main(sys.argv[2]) if sys.argv[1] == "--scale" else main(sys.argv[1])
