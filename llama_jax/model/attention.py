@@ -339,12 +339,11 @@ def splash_with_lse(
   scaled queries in the kernel's layout; not differentiable (`splash_block_gradients` is its backward pass)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-  def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S):
+  def one(q_segments_T, kv_segments_S, q_GTH, k_SH, v_SH):
     out_GTH, (lse_GT,) = kernel(q_GTH, k_SH, v_SH, segment_ids=splash.SegmentIds(q=q_segments_T, kv=kv_segments_S))
     return out_GTH, lse_GT.astype(jnp.float32)
 
-  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
-  return jax.vmap(per_head)(q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS)
+  return _per_sequence_and_kv_head(one, (q_segments_BT, kv_segments_BS), q_BKGTH, k_BKSH, v_BKSH)
 
 
 def splash_block_gradients(
@@ -374,7 +373,7 @@ def splash_block_gradients(
       return info
     return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:]))
 
-  def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S, out_GTH, lse_GT, dout_GTH):
+  def one(q_segments_T, kv_segments_S, q_GTH, k_SH, v_SH, out_GTH, lse_GT, dout_GTH):
     ids = internals.SegmentIds(q=q_segments_T, kv=kv_segments_S)
     residuals = (q_GTH, k_SH, v_SH, ids, None, out_GTH, lse_GT)
     residuals += (collapsed(kernel.dq_mask_info), collapsed(kernel.dkv_mask_info))
@@ -392,8 +391,8 @@ def splash_block_gradients(
     )
     return grads[3:6]
 
-  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None, 0, 0, 0))
-  return jax.vmap(per_head)(q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS, out_BKGTH, lse_BKGT, dout_BKGTH)
+  segments = (q_segments_BT, kv_segments_BS)
+  return _per_sequence_and_kv_head(one, segments, q_BKGTH, k_BKSH, v_BKSH, out_BKGTH, lse_BKGT, dout_BKGTH)
 
 
 def has_splash_block_gradients() -> bool:
@@ -431,15 +430,18 @@ def splash_per_device(
   """`kernel` (`splash_kernel`) on one device's arrays, vmapped over batch and kv heads (`kernel_layout`)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-  q_BKGTH, k_BKSH, v_BKSH = kernel_layout(q_BTNH, k_BSKH, v_BSKH)
-
-  def one(q_GTH, k_SH, v_SH, q_segments_T, kv_segments_S):
+  def one(q_segments_T, kv_segments_S, q_GTH, k_SH, v_SH):
     ids = None if q_segments_T is None else splash.SegmentIds(q=q_segments_T, kv=kv_segments_S)
     return kernel(q_GTH, k_SH, v_SH, segment_ids=ids)
 
-  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
-  seg_axis = None if q_segments_BT is None else 0
-  out_BKGTH = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis, seg_axis))(
-    q_BKGTH, k_BKSH, v_BKSH, q_segments_BT, kv_segments_BS
-  )
-  return from_kernel_layout(out_BKGTH, q_BTNH)
+  arrays = kernel_layout(q_BTNH, k_BSKH, v_BSKH)
+  return from_kernel_layout(_per_sequence_and_kv_head(one, (q_segments_BT, kv_segments_BS), *arrays), q_BTNH)
+
+
+def _per_sequence_and_kv_head(one, segments: tuple[Array | None, Array | None], *arrays_BK: Array):
+  """`one(q_segments_T, kv_segments_S, *arrays)` on each sequence and kv head: the splash kernel works on one at a
+  time. `arrays_BK` are [B, K, ...] (`kernel_layout`); the segment ids [B, T] / [B, S], or None, are shared by a
+  sequence's heads."""
+  seg_axis = None if segments[0] is None else 0
+  per_head = jax.vmap(one, in_axes=(None, None) + (0,) * len(arrays_BK))
+  return jax.vmap(per_head, in_axes=(seg_axis, seg_axis) + (0,) * len(arrays_BK))(*segments, *arrays_BK)

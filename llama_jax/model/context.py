@@ -373,10 +373,14 @@ def context_attention(
       check_vma=False,
     )
     return run(splash, q_BTNH, k_BSKH, v_BSKH, segment_ids)
-  if kernel == "splash":  # the ring's or zigzag's blocks by splash
-    ring = functools.partial(splash_ring, zigzag=strategy == "zigzag", interpret=interpret)
+  if strategy == "all_gather":
+    per_device = gathered
+  elif kernel == "splash":  # the ring's or zigzag's blocks by splash
+    per_device = functools.partial(splash_ring, zigzag=strategy == "zigzag", interpret=interpret)
+  else:
+    per_device = ring
   run = jax.shard_map(
-    gathered if strategy == "all_gather" else ring,
+    per_device,
     in_specs=(specs["q"], specs["kv"], specs["kv"], specs["seg"]),
     out_specs=specs["q"],
     check_vma=False,
