@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -153,17 +154,22 @@ def checkpoint_on_one_device(workdir, step) -> dict:
 CONSTANT_LR = ["--config.train.warmup_steps=0", "--config.train.min_lr_ratio=1.0"]  # the same lr whatever train.steps
 
 
-def signal_process_1_after_step_3(procs, signum, limit_s=300) -> tuple[str, list[tuple[str, str]], float]:
-  """Sends `signum` to process 1 once process 0 logs step 3; returns process 0's stdout up to there, what both
-  printed after, and the seconds from the signal until both had exited. Whatever happens (no step 3, a signal that
-  stops nothing), both are killed within `limit_s`."""
+def signal_process_1_after_step_3(
+  procs, signum, limit_s=300, committed: Path | None = None
+) -> tuple[str, list[tuple[str, str]], float]:
+  """Sends `signum` to process 1 once process 0 logs step 3 (and, given `committed`, once that checkpoint directory
+  exists: an asynchronous save commits when both processes have written, which on a loaded 2-core machine can come
+  after step 3 is logged, and a kill before it leaves nothing to resume from); returns process 0's stdout up to
+  there, what both printed after, and the seconds from the signal until both had exited. Whatever happens (no step
+  3, a signal that stops nothing), both are killed within `limit_s`."""
   watchdog = threading.Timer(limit_s, lambda: [p.kill() for p in procs])
   watchdog.start()
   try:
-    seen = []
-    for line in procs[0].stdout:
+    seen, step_3 = [], False
+    for line in procs[0].stdout:  # (one line per step: read on, so that process 0 never blocks on a full pipe)
       seen.append(line)
-      if line.startswith("step      3 "):
+      step_3 = step_3 or line.startswith("step      3 ")
+      if step_3 and (committed is None or committed.is_dir()):
         procs[1].send_signal(signum)
         break
     signalled = time.monotonic()
@@ -379,7 +385,7 @@ def test_a_sigkilled_two_process_run_reruns_bit_identical(tmp_path, small_tokeni
     data += CONSTANT_LR
   killed, straight = tmp_path / "killed", tmp_path / "straight"
   procs = start_two_processes(killed, small_tokenizer, 100_000, *data, env={"LLAMA_JAX_HEARTBEAT_TIMEOUT_S": "5"})
-  signal_process_1_after_step_3(procs, signal.SIGKILL)
+  signal_process_1_after_step_3(procs, signal.SIGKILL, committed=killed / "checkpoints" / "2")
   assert procs[1].returncode == -signal.SIGKILL
   saved = max(int(d) for d in os.listdir(killed / "checkpoints") if d.isdigit())
   (out0, _), _ = run_two_processes(killed, small_tokenizer, saved + 2, *data)
