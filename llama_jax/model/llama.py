@@ -561,12 +561,16 @@ class Llama(nnx.Module):
       x_BTD = x_BTD * jnp.take(self.embed_scale[...], tokens_BT, axis=0)[..., None].astype(dtype)
     return sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
-  def logits(self, x_BTD: Array) -> Array:
-    """The residual stream after the last block → float32 logits [B, T, V] (final norm, then the LM head)."""
-    x_BTD = x_BTD if self.final_norm is None else self.final_norm(x_BTD)
+  def head(self) -> tuple[Array, Array | None]:
+    """The LM head's weight [D, V] (the embedding's transpose when tied) and its int8 scale [V] (None unless int8)."""
     if self.lm_head is None:
-      head_DV, head_scale_V = self.embed[...].T, _value(self.embed_scale)
-    else:
-      head_DV, head_scale_V = self.lm_head[...], _value(self.lm_head_scale)
+      return self.embed[...].T, _value(self.embed_scale)
+    return self.lm_head[...], _value(self.lm_head_scale)
+
+  def logits(self, x_BTD: Array, head: tuple[Array, Array | None] | None = None) -> Array:
+    """The residual stream after the last block → float32 logits [B, T, V] (final norm, then the LM head: `head()`
+    unless given, as the chunked loss gives it gathered once for all its chunks)."""
+    x_BTD = x_BTD if self.final_norm is None else self.final_norm(x_BTD)
+    head_DV, head_scale_V = self.head() if head is None else head
     logits_BTV = project(x_BTD, head_DV, head_scale_V, preferred_element_type=jnp.float32)  # BTD,DV->BTV
     return sharding.constrain(logits_BTV, ("activation_batch", "activation_length", "activation_vocab"))

@@ -103,11 +103,16 @@ def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, 
     x_BSWC = x_BSP.reshape(batch, slices, n_chunks, chunk, *rest)
     return jnp.moveaxis(x_BSWC, 2, 0).reshape(n_chunks, batch, slices * chunk, *rest)
 
+  head = None
+  if model.cfg.loss_gather_head:  # gathered over the embedding axis once for every chunk (the constraint's effect)
+    head_DV, head_scale_V = model.head()
+    head = sharding.constrain(head_DV, (None, "vocab")), head_scale_V
+
   @jax.checkpoint
   def one_chunk(_, inputs):
     x_BXD, chunk_targets_BX = inputs
     x_BXD = sharding.constrain(x_BXD, ("activation_batch", "activation_length", "activation_embed"))
-    return None, _cross_entropy(model.logits(x_BXD), chunk_targets_BX)
+    return None, _cross_entropy(model.logits(x_BXD, head), chunk_targets_BX)
 
   _, losses_WBX = jax.lax.scan(one_chunk, None, (chunked(x_BTD), chunked(targets_BT)))
   losses_BSWC = jnp.moveaxis(losses_WBX.reshape(n_chunks, batch, slices, chunk), 0, 2)

@@ -95,6 +95,18 @@ CONTEXT_CASES = {
     dict(data=1, fsdp=1, context=4, tensor=1),
     dict(CONTEXT_MODEL, attention="auto", context_strategy="zigzag"),
   ),
+  # The loss in 1,024-token chunks of each chip's 4,096-token slice on fsdp 2 × context 2, its head gathered over
+  # fsdp in every chunk or once for all (model.loss_gather_head).
+  "v5p-8/fsdp2_context2_loss_chunks_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=2, context=2, tensor=1),
+    dict(CONTEXT_MODEL, context_strategy="ring", loss_chunk=1024),
+  ),
+  "v5p-8/fsdp2_context2_loss_chunks_gather_head_8k": (
+    "v5p-8",
+    dict(data=1, fsdp=2, context=2, tensor=1),
+    dict(CONTEXT_MODEL, context_strategy="ring", loss_chunk=1024, loss_gather_head=True),
+  ),
 }
 
 
@@ -139,7 +151,8 @@ def main(out: str) -> None:
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
   for case, (topology, mesh, model) in CONTEXT_CASES.items():
     chips = devices[topology][: math.prod(mesh.values())]
-    train = dict(CONTEXT_TRAIN, seq_len=128) if case.endswith("_128") else CONTEXT_TRAIN
+    train = dict(CONTEXT_TRAIN, batch_size=mesh["data"] * mesh["fsdp"])  # one sequence per batch shard
+    train = dict(train, seq_len=128) if case.endswith("_128") else train
     plan = plan_lib.plan(run_config(mesh, model, train), chips)
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
   with open(out, "w") as f:
