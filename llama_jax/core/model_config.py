@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
 CONTEXT_STRATEGIES = ("all_gather", "ring", "zigzag")
+LOSS_HEAD_ONCE = ("none", "weights", "weights_and_gradient")
 QUANTIZE_MODES = ("none", "int8")
 NORMS = ("rmsnorm", "layernorm", "none")
 NORM_POSITIONS = ("pre", "post")
@@ -135,12 +136,13 @@ class ModelConfig:
   # cross-entropy run chunk by chunk, rematerialised in the backward pass, so the float32 logits [B, T, V] never exist
   # whole: with Llama 3's 128,256-token vocabulary they are 4 GiB per 8,192-token sequence, twice with their gradient.
   loss_chunk: int = 0
-  # With loss_chunk: gather the LM head over its sharded embedding axis once per step for all chunks instead of in
-  # every chunk (and reduce its gradient once), holding the gathered head and its float32 gradient for the whole
-  # loss. Pays with many chunks per slice; TPU compiler, Llama 3 8B at 131,072 tokens on fsdp 16 × context 4 (ring):
-  # all-gathers 92.1 → 30.5 GiB per step and chip, all-reduces 34.2 → 4.7 GiB, peak 32.71 → 36.40 GiB; at the
-  # preset's 8,192 on fsdp 16: all-gathers 14.8 → 8.0 GiB, all-reduces +2.0 GiB, peak 19.58 → 23.49 GiB (README).
-  loss_gather_head: bool = False
+  # With loss_chunk, how the LM head's weights reach the chunks (when an fsdp axis splits them): none (gathered in
+  # each chunk's forward and rematerialised forward, its gradient reduced in each chunk's backward) | weights
+  # (gathered once per step for every chunk; the gradient still reduced per chunk) | weights_and_gradient (also the
+  # float32 gradient accumulated whole and reduced once). TPU compiler, Llama 3 8B, peak per chip and the head's
+  # gathers + all-reduces per step (README, "Long context"): at 131,072 tokens on fsdp 16 × context 4 (ring)
+  # 32.71 / 32.68 / 36.40 GiB and 92.1 + 34.2 / 30.5 + 34.2 / 30.5 + 4.7 GiB.
+  loss_head_once: str = "none"
   init_std: float = 0.02
   # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see
   # quantize.py). For decoding only: made from float weights by quantize.quantize_params; training refuses it.
@@ -167,7 +169,7 @@ class ModelConfig:
         f"model.moe.every={self.moe.every} must divide n_layers={self.n_layers} (the layers are scanned in groups "
         "of `every` blocks, the last of each a mixture of experts)"
       )
-    for name in ("tie_embeddings", "scan_layers", "loss_gather_head"):
+    for name in ("tie_embeddings", "scan_layers"):
       check_type(self, "", name)
     for name in (
       "vocab_size",
@@ -207,6 +209,7 @@ class ModelConfig:
     check_choice("remat", self.remat, REMAT_POLICIES)
     check_choice("attention", self.attention, ATTENTION_IMPLS)
     check_choice("context_strategy", self.context_strategy, CONTEXT_STRATEGIES)
+    check_choice("loss_head_once", self.loss_head_once, LOSS_HEAD_ONCE)
     check_choice("quantize", self.quantize, QUANTIZE_MODES)
     check_choice("norm", self.norm, NORMS)
     check_choice("norm_position", self.norm_position, NORM_POSITIONS)

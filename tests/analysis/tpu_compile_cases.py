@@ -95,18 +95,16 @@ CONTEXT_CASES = {
     dict(data=1, fsdp=1, context=4, tensor=1),
     dict(CONTEXT_MODEL, attention="auto", context_strategy="zigzag"),
   ),
-  # The loss in 1,024-token chunks of each chip's 4,096-token slice on fsdp 2 × context 2, its head gathered over
-  # fsdp in every chunk or once for all (model.loss_gather_head).
-  "v5p-8/fsdp2_context2_loss_chunks_8k": (
-    "v5p-8",
-    dict(data=1, fsdp=2, context=2, tensor=1),
-    dict(CONTEXT_MODEL, context_strategy="ring", loss_chunk=1024),
-  ),
-  "v5p-8/fsdp2_context2_loss_chunks_gather_head_8k": (
-    "v5p-8",
-    dict(data=1, fsdp=2, context=2, tensor=1),
-    dict(CONTEXT_MODEL, context_strategy="ring", loss_chunk=1024, loss_gather_head=True),
-  ),
+  # The loss in 1,024-token chunks of each chip's 4,096-token slice on fsdp 2 × context 2, the head gathered over
+  # fsdp in every chunk, or once per step with its gradient reduced per chunk or once (model.loss_head_once).
+  **{
+    f"v5p-8/fsdp2_context2_loss_head_once_{once}_8k": (
+      "v5p-8",
+      dict(data=1, fsdp=2, context=2, tensor=1),
+      dict(CONTEXT_MODEL, context_strategy="ring", loss_chunk=1024, loss_head_once=once),
+    )
+    for once in ("none", "weights", "weights_and_gradient")
+  },
 }
 
 

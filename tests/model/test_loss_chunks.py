@@ -46,16 +46,16 @@ def loss_and_grads(cfg, params, data, lora=None):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize(
-  "chunk, gather_head",
-  [(16, False), (20, False), (48, False), (20, True)],
-  ids=["divides", "last_chunk_padded", "one_chunk", "head_given_to_every_chunk"],
+  "chunk, head_once",
+  [(16, "none"), (20, "none"), (48, "none"), (20, "weights"), (20, "weights_and_gradient")],
+  ids=["divides", "last_chunk_padded", "one_chunk", "head_once", "head_and_gradient_once"],
 )
-def test_chunked_losses_and_gradients_equal_the_whole_sequence_loss(tied, chunk, gather_head):
+def test_chunked_losses_and_gradients_equal_the_whole_sequence_loss(tied, chunk, head_once):
   cfg = CFG.replace(tie_embeddings=tied)
   params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(3))))
   data = batch()
   whole_loss, whole_losses, whole_grads = loss_and_grads(cfg, params, data)
-  loss, losses, grads = loss_and_grads(cfg.replace(loss_chunk=chunk, loss_gather_head=gather_head), params, data)
+  loss, losses, grads = loss_and_grads(cfg.replace(loss_chunk=chunk, loss_head_once=head_once), params, data)
   np.testing.assert_allclose(losses, whole_losses, rtol=1e-6, atol=0)
   np.testing.assert_allclose(loss, whole_loss, rtol=1e-6)
   assert_same_grads(grads, whole_grads)

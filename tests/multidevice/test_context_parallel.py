@@ -95,16 +95,22 @@ def test_context_parallel_loss_and_gradients_equal_one_device(reference, mesh_na
 
 
 @pytest.mark.parametrize(
-  "mesh_name, gather_head", [("context8", False), ("context2_fsdp4", False), ("context2_fsdp4", True)]
+  "mesh_name, head_once",
+  [
+    ("context8", "none"),
+    ("context2_fsdp4", "none"),
+    ("context2_fsdp4", "weights"),
+    ("context2_fsdp4", "weights_and_gradient"),
+  ],
 )
-def test_the_loss_in_chunks_of_each_context_slice_equals_one_device(reference, mesh_name, gather_head):
+def test_the_loss_in_chunks_of_each_context_slice_equals_one_device(reference, mesh_name, head_once):
   """model.loss_chunk under context parallelism cuts the chunks within each device's slice (one chunk of every slice
   per scan step): 24-token chunks of 8-token slices (context 8: one chunk, mostly padding) and of 32-token slices
   (context 2: two chunks, the second padded) give one device's unchunked loss and gradients; so does the head
-  gathered once for all chunks (model.loss_gather_head; what it saves the TPU compiler shows:
-  tests/analysis/test_tpu_compile.py)."""
+  gathered once for all chunks, with its gradient reduced per chunk or once (model.loss_head_once; what each saves
+  the TPU compiler shows: tests/analysis/test_tpu_compile.py)."""
   params, loss_1, grads_1 = reference
-  cfg = CFG.replace(context_strategy="ring", loss_chunk=24, loss_gather_head=gather_head)
+  cfg = CFG.replace(context_strategy="ring", loss_chunk=24, loss_head_once=head_once)
   mesh = sharding.make_mesh(MESHES[mesh_name])
   loss, grads, _ = loss_and_grads(cfg, mesh, params, batch_of())
   assert loss == pytest.approx(loss_1, rel=TOL)
