@@ -141,6 +141,42 @@ def _trip_count(condition: list[str], body: list[str]) -> int:
   return -(-bound // step)
 
 
+def _instructions(name: str, lines: list[str]):
+  """(instruction, shape, collective kind or None, opcode, rest of the line) of each instruction of computation
+  `name`. The TPU compiler writes a reduce-scatter as an all-reduce inside an "all-reduce-scatter" fusion, and the
+  rings of windowed matmuls as loops named windowed_dot_general_body_ag (all-gather) or _rs (reduce-scatter); an
+  async collective is a -start/-done pair, whose -done's result is the collective's output (the -start's is a tuple
+  of operands, outputs and context scalars), so the -done is the one given a kind."""
+  fused_reduce_scatter = name.startswith("all-reduce-scatter")
+  ring = re.search(r"windowed_dot_general_body_(ag|rs)", name)
+  for line in lines:
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    instruction, shape, opcode, rest = match.groups()
+    kind = opcode.removesuffix("-done")
+    if kind not in COLLECTIVES or opcode.endswith("-start"):
+      kind = None
+    elif fused_reduce_scatter and kind == "all-reduce":
+      kind = "reduce-scatter"
+    elif ring and kind == "collective-permute":
+      kind = "all-gather in matmul" if ring.group(1) == "ag" else "reduce-scatter in matmul"
+    yield instruction, shape, kind, opcode, rest
+
+
+def collective_shapes(hlo: str) -> dict[tuple[str, str], int]:
+  """(kind, array shape without layout) → how many collective instructions of that kind produce that shape in the
+  program text (instructions, not executions per step): which arrays a program moves, e.g. whether a gradient is
+  all-reduced whole."""
+  computations, _ = _computations(hlo)
+  found: dict[tuple[str, str], int] = collections.Counter()
+  for name, lines in computations.items():
+    for _, shape, kind, _, _ in _instructions(name, lines):
+      if kind is not None:
+        found[kind, re.sub(r"\{[^}]*\}", "", shape)] += 1
+  return dict(found)
+
+
 def summarize(hlo: str) -> ProgramSummary:
   """Collectives and custom kernels per step of a compiled program's HLO text."""
   computations, entry = _computations(hlo)
@@ -169,23 +205,8 @@ def summarize(hlo: str) -> ProgramSummary:
     times = multipliers.get(name, 0)
     if not times:
       continue
-    # The TPU compiler writes a reduce-scatter as an all-reduce inside an "all-reduce-scatter" fusion, and the rings
-    # of windowed matmuls as loops named windowed_dot_general_body_ag (all-gather) or _rs (reduce-scatter).
-    fused_reduce_scatter = name.startswith("all-reduce-scatter")
-    ring = re.search(r"windowed_dot_general_body_(ag|rs)", name)
-    for line in lines:
-      match = _INSTRUCTION.match(line)
-      if not match:
-        continue
-      instruction, shape, opcode, rest = match.groups()
-      # An async collective is a -start/-done pair: the -done's result is the collective's output (the -start's is a
-      # tuple of operands, outputs and context scalars), so it is the one counted.
-      kind = opcode.removesuffix("-done")
-      if kind in COLLECTIVES and not opcode.endswith("-start"):
-        if fused_reduce_scatter and kind == "all-reduce":
-          kind = "reduce-scatter"
-        elif ring and kind == "collective-permute":
-          kind = "all-gather in matmul" if ring.group(1) == "ag" else "reduce-scatter in matmul"
+    for instruction, shape, kind, opcode, rest in _instructions(name, lines):
+      if kind is not None:
         collectives[kind].count += times
         collectives[kind].bytes += times * shape_bytes(shape)
       elif opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in rest:

@@ -76,3 +76,14 @@ def test_collectives_are_counted_per_step_through_loops():
 def test_shape_bytes_of_arrays_and_tuples():
   assert hlo.shape_bytes("bf16[2,64]{1,0:T(8,128)(2,1)}") == 256
   assert hlo.shape_bytes("(f32[3], s8[1,2,2], pred[])") == 12 + 4 + 1
+
+
+def test_collective_shapes_names_each_instruction_s_array_without_its_layout():
+  """Instructions, not executions: the loop's all-gather once, its fused reduce-scatter as a reduce-scatter of the
+  array the fusion's all-reduce produces, the matmul ring's permute as the all-gather it is."""
+  assert hlo.collective_shapes(HLO) == {
+    ("reduce-scatter", "bf16[64,4]"): 1,
+    ("all-gather in matmul", "bf16[8,8]"): 1,
+    ("all-gather", "f32[32]"): 1,
+    ("all-to-all", "f32[4,8]"): 1,
+  }
