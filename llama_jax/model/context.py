@@ -230,7 +230,7 @@ def context_attention(
   def gather_sequence(*slices_BC):
     """The whole sequence of each [B, C, ...] slice, by one all-gather over the context axes (its gradient is
     reduce-scattered)."""
-    return tuple(jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in slices_BC)
+    return tuple(_all_gather(x, axes) for x in slices_BC)
 
   def gathered(q_BCNH, k_BCKH, v_BCKH, segments_BC):
     first = jax.lax.axis_index(axes) * block
@@ -363,7 +363,8 @@ def context_attention(
     )
 
     def gathered_splash(splash, q_BCNH, k_BCKH, v_BCKH, segments_BC):
-      k_BSKH, v_BSKH, segments_BS = gather_sequence(k_BCKH, v_BCKH, segments_BC)
+      (segments_BS,) = gather_sequence(segments_BC)
+      k_BSKH, v_BSKH = (_gather_slices(x, axes, shards) for x in (k_BCKH, v_BCKH))
       return attention_lib.splash_per_device(splash, q_BCNH, k_BSKH, v_BSKH, segments_BC, segments_BS)
 
     run = jax.shard_map(
@@ -386,6 +387,35 @@ def context_attention(
     check_vma=False,
   )
   return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
+
+
+def _all_gather(x_BC: Array, axes: tuple[str, ...]) -> Array:
+  return jax.lax.all_gather(x_BC, axes, axis=1, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_slices(x_BC: Array, axes: tuple[str, ...], shards: int) -> Array:
+  """The all-gather of a [B, C, ...] slice into [B, S, ...] (under ``shard_map``) whose gradient is reduce-scattered
+  over a new leading axis of the `shards` slices, [n, B, C, ...], rather than over the sequence axis in place: the
+  TPU compiler turns a reduce-scatter whose dimension is not the operand's major one into an all-reduce of the whole
+  sequence and a slice, which it did for splash's key and value gradients (the kernel lays out heads before
+  positions). TPU compiler, 7B at 32,768 tokens on fsdp 16 × context 4 with splash: all-reduces 17.26 → 1.26 GiB per
+  chip and step, reduce-scatters 12.89 → 16.89 GiB (a quarter of a sequence each, as the XLA blocks'), peak
+  unchanged. The XLA blocks keep the plain all-gather: with this one their reduce-scatters grew 16.89 → 22.91 GiB."""
+  return _all_gather(x_BC, axes)
+
+
+def _gather_slices_fwd(x_BC: Array, axes: tuple[str, ...], shards: int) -> tuple[Array, None]:
+  return _all_gather(x_BC, axes), None
+
+
+def _gather_slices_bwd(axes: tuple[str, ...], shards: int, _, g_BS: Array) -> tuple[Array]:
+  batch, length, *rest = g_BS.shape
+  g_nBC = jnp.moveaxis(g_BS.reshape(batch, shards, length // shards, *rest), 1, 0)
+  return (jax.lax.psum_scatter(g_nBC, axes, scatter_dimension=0, tiled=False),)
+
+
+_gather_slices.defvjp(_gather_slices_fwd, _gather_slices_bwd)
 
 
 def _home(chunk: int, shards: int) -> int:

@@ -8,14 +8,15 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only; other processes may have libtpu loaded
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402  (the environment above must be set before jax starts)
 
+from llama_jax.analysis import hlo, tpu
 from llama_jax.analysis import plan as plan_lib
-from llama_jax.analysis import tpu
 from llama_jax.core import run_config as run_config_lib
 
 # A GQA model whose shapes splash attention takes (head_dim 64, sequence a multiple of 128) and that every mesh below
@@ -153,8 +154,28 @@ def main(out: str) -> None:
     train = dict(train, seq_len=128) if case.endswith("_128") else train
     plan = plan_lib.plan(run_config(mesh, model, train), chips)
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
+  results[SPLASH_GATHER_8B] = splash_gather_at_8b_shapes()
   with open(out, "w") as f:
     json.dump(results, f, indent=2)
+
+
+SPLASH_GATHER_8B = "v5p-128/8b_2_layers_context4_all_gather_splash_32k"
+
+
+def splash_gather_at_8b_shapes() -> dict:
+  """The all-gather strategy with splash at Llama 3 8B's shapes (the preset cut to 2 layers; 32,768 tokens, 16
+  sequences on fsdp 16 × context 4 of v5p-128): its plan and which arrays its collectives produce (the small model's
+  shapes never showed the whole-sequence all-reduce of the key and value gradients that these did)."""
+  cfg = run_config_lib.load_run_config("configs/llama3_8b.py")
+  cfg.model.update(n_layers=2, max_seq_len=32768)
+  cfg.mesh.update(data=1, fsdp=16, context=4, tensor=1)
+  cfg.train.update(seq_len=32768, batch_size=16)
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "step.hlo")
+    plan = plan_lib.plan(cfg, tpu.tpu_devices("v5p-128")[:64], hlo_path=path)
+    with open(path) as f:
+      shapes = hlo.collective_shapes(f.read())
+  return {**dataclasses.asdict(plan), "collective_shapes": [[*key, n] for key, n in sorted(shapes.items())]}
 
 
 if __name__ == "__main__":
