@@ -139,8 +139,8 @@ class ModelConfig:
   # With loss_chunk, how the LM head's weights reach the chunks (when an fsdp axis splits them): none (gathered in
   # each chunk's forward and rematerialised forward, its gradient reduced in each chunk's backward) | weights
   # (gathered once per step for every chunk; the gradient still reduced per chunk) | weights_and_gradient (also the
-  # float32 gradient accumulated whole and reduced once). TPU compiler, Llama 3 8B, peak per chip and the head's
-  # gathers + all-reduces per step (README, "Long context"): at 131,072 tokens on fsdp 16 × context 4 (ring)
+  # float32 gradient accumulated whole and reduced once). TPU compiler, Llama 3 8B, peak per chip and the step's
+  # all-gathers + all-reduces (README, "Long context"): at 131,072 tokens on fsdp 16 × context 4 (ring)
   # 32.71 / 32.68 / 36.40 GiB and 92.1 + 34.2 / 30.5 + 34.2 / 30.5 + 4.7 GiB.
   loss_head_once: str = "none"
   init_std: float = 0.02

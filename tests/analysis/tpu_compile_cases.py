@@ -116,6 +116,15 @@ def run_config(mesh: dict, model: dict = MODEL, train: dict | None = None) -> ru
   return run_config_lib.RunConfig().replace(model=model, mesh=mesh, train=train or dict(batch_size=8, seq_len=256))
 
 
+def llama3_8b(context: int, seq_len: int, **model) -> run_config_lib.RunConfig:
+  """The Llama 3 8B preset on fsdp 16 × `context` (16 sequences of `seq_len` tokens), with `model` changed."""
+  cfg = run_config_lib.load_run_config("configs/llama3_8b.py")
+  cfg.mesh.update(data=1, fsdp=16, context=context, tensor=1)
+  cfg.train.update(seq_len=seq_len, batch_size=16)
+  cfg.model.update(**model)
+  return cfg
+
+
 def scale_main(out: str) -> None:
   """Context 4 at the scale of Llama 3 8B (the preset, 32,768 tokens, 16 sequences, fsdp 16): each strategy's step
   on fsdp 16 × context 4 (64 v5p chips, a quarter sequence per chip) and the same step on fsdp 16 alone (16 chips,
@@ -127,10 +136,7 @@ def scale_main(out: str) -> None:
   for strategy in ("ring", "all_gather", "zigzag"):
     for context in (1, 4) if strategy == "ring" else (4,):
       for seq in (SCALE_TOKENS, 128 * context):
-        cfg = run_config_lib.load_run_config("configs/llama3_8b.py")
-        cfg.mesh.update(data=1, fsdp=16, context=context, tensor=1)
-        cfg.train.update(seq_len=seq, batch_size=16)
-        cfg.model.update(max_seq_len=SCALE_TOKENS, context_strategy=strategy)
+        cfg = llama3_8b(context, seq, max_seq_len=SCALE_TOKENS, context_strategy=strategy)
         plan = plan_lib.plan(cfg, devices[: 16 * context])
         results[f"{strategy}/context{context}/{seq}"] = plan.temp_bytes
   with open(out, "w") as f:
@@ -166,10 +172,7 @@ def splash_gather_at_8b_shapes() -> dict:
   """The all-gather strategy with splash at Llama 3 8B's shapes (the preset cut to 2 layers; 32,768 tokens, 16
   sequences on fsdp 16 × context 4 of v5p-128): its plan and which arrays its collectives produce (the small model's
   shapes never showed the whole-sequence all-reduce of the key and value gradients that these did)."""
-  cfg = run_config_lib.load_run_config("configs/llama3_8b.py")
-  cfg.model.update(n_layers=2, max_seq_len=32768)
-  cfg.mesh.update(data=1, fsdp=16, context=4, tensor=1)
-  cfg.train.update(seq_len=32768, batch_size=16)
+  cfg = llama3_8b(4, 32768, n_layers=2, max_seq_len=32768)
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "step.hlo")
     plan = plan_lib.plan(cfg, tpu.tpu_devices("v5p-128")[:64], hlo_path=path)
