@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+from tests import asgi_server
+
 
 def rss_mib(pid: int | str = "self") -> float:
   """Resident memory of a process (this one by default), from /proc."""
@@ -83,22 +85,11 @@ def serving(
 ):
   """(url, engine, sampler, tokenizer) of a running server over `checkpoint_dir` (its programs compiled first with
   `warmup`, as the CLI does); `kw` go to create_app, `connection_limits` to connections.server; engine and server
-  stop on exit."""
-  from llama_jax.inference.engine import Engine
-  from llama_jax.inference.sampler import load_sampler
-  from llama_jax.serving.app import create_app
-
-  sampler, tokenizer = load_sampler(checkpoint_dir)
-  engine = Engine(sampler, slots=slots, max_len=max_len, **(engine_kwargs or {}))
-  if warmup:
-    engine.warmup()
-  engine.start()
-  app = create_app(engine, tokenizer, "tiny", api_key=api_key, **kw)
-  try:
+  stop on exit. The app is asgi_server's, served on a socket."""
+  app_kw = dict(slots=slots, max_len=max_len, api_key=api_key, warmup=warmup, engine_kwargs=engine_kwargs, **kw)
+  with asgi_server.started_app(checkpoint_dir, **app_kw) as (app, engine, sampler, tokenizer):
     with running(app, **(connection_limits or {})) as url:
       yield url, engine, sampler, tokenizer
-  finally:
-    engine.stop()
 
 
 @contextlib.contextmanager

@@ -1,14 +1,13 @@
 """GET /metrics (serving/metrics.py) scraped with prometheus_client's own parser after a known mix of traffic from the
 openai client and raw HTTP: every count equals what was sent and answered, the token counters equal the responses'
 usage, the latency histograms hold one observation per token, the engine's gauges and step counters match its own
-statistics; the key guards the endpoint."""
+statistics; the key guards the endpoint. Served in-process (asgi_server.py): a response read to its end is one the
+app has finished with, so each count is there by the next scrape."""
 
-import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import live_server
+from tests import asgi_server, live_server
 from tests.conftest import needs_shakespeare
 
 pytestmark = needs_shakespeare
@@ -23,9 +22,10 @@ def checkpoint_dir(tmp_path_factory, small_tokenizer):
   return live_server.tiny_checkpoint(str(tmp_path_factory.mktemp("metrics") / "tiny"), small_tokenizer)
 
 
-def scrape(url: str, headers=AUTH) -> dict:
-  """{sample name with its labels: value} of one scrape, parsed by prometheus_client."""
-  response = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+def scrape(http, headers=AUTH) -> dict:
+  """{sample name with its labels: value} of one scrape through `http` (asgi_server's client), parsed by
+  prometheus_client."""
+  response = http.get("/metrics", headers=headers)
   assert response.status_code == 200, response.text
   assert response.headers["content-type"].startswith("text/plain; version=")
   samples = {}
@@ -40,8 +40,9 @@ def value(samples: dict, name: str, **labels) -> float:
 
 
 def test_metrics_count_a_known_traffic_mix(checkpoint_dir):
-  with live_server.serving(checkpoint_dir, slots=SLOTS, max_len=128, api_key=KEY, warmup=True) as (url, engine, *_):
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+  served = asgi_server.asgi_serving(checkpoint_dir, slots=SLOTS, max_len=128, api_key=KEY, warmup=True)
+  with served as (http, engine, *_):
+    client = asgi_server.openai_client(http, api_key=KEY)
     choice_tokens, prompt_tokens = [], 0
     for prompt in ("To be, or not", "Friends, Romans", "Now is the winter"):
       done = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
@@ -64,13 +65,13 @@ def test_metrics_count_a_known_traffic_mix(checkpoint_dir):
       usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
       choice_tokens.append(usage.completion_tokens)
       prompt_tokens += usage.prompt_tokens
-    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # no key
-    assert httpx.get(f"{url}/v1/models", headers=AUTH, timeout=10).status_code == 200
-    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401  # the key guards the metrics too
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    assert httpx.get(f"{url}/no/such/path/{'x' * 50}", headers=AUTH, timeout=10).status_code == 404
+    assert http.get("/v1/models").status_code == 401  # no key
+    assert http.get("/v1/models", headers=AUTH).status_code == 200
+    assert http.get("/metrics").status_code == 401  # the key guards the metrics too
+    assert http.get("/health").status_code == 200
+    assert http.get(f"/no/such/path/{'x' * 50}", headers=AUTH).status_code == 404
 
-    samples = scrape(url)
+    samples = scrape(http)
     requests = lambda endpoint, status: value(samples, "llama_jax_requests_total", endpoint=endpoint, status=status)  # noqa: E731
     assert requests("/v1/completions", "200") == 4
     assert requests("/v1/chat/completions", "200") == 2
@@ -100,12 +101,12 @@ def test_metrics_count_a_known_traffic_mix(checkpoint_dir):
     assert count("llama_jax_decode_step_seconds") >= 1
     assert value(samples, "process_resident_memory_bytes") > 0
 
-    again = scrape(url)
+    again = scrape(http)
     assert value(again, "llama_jax_requests_total", endpoint="/metrics", status="200") == 1
 
 
 def test_metrics_need_no_key_on_a_server_without_one(checkpoint_dir):
-  with live_server.serving(checkpoint_dir, slots=SLOTS, max_len=64) as (url, *_):
-    samples = scrape(url, headers={})
+  with asgi_server.asgi_serving(checkpoint_dir, slots=SLOTS, max_len=64) as (http, *_):
+    samples = scrape(http, headers={})
     assert value(samples, "llama_jax_slots") == SLOTS
     assert value(samples, "llama_jax_requests_total", endpoint="/metrics", status="200") == 0

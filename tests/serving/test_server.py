@@ -1,7 +1,8 @@
 """The HTTP server with real clients: the `openai` package (completions, chat, streaming, errors), a battery of
 malformed requests (each the documented 4xx, the server serving normally after), the API key, and a bounded load
 test on loopback with clients that disconnect mid-stream. Greedy answers are checked against the offline Sampler
-decoding the same prompt alone."""
+decoding the same prompt alone. The protocol is tested in-process (asgi_server.py); what needs real connections (the
+load test, a client that leaves, the command) runs on a loopback socket (live_server.py)."""
 
 import concurrent.futures
 import json
@@ -13,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests import live_server
+from tests import asgi_server, live_server
 from tests.conftest import needs_shakespeare
 
 pytestmark = needs_shakespeare
@@ -26,17 +27,24 @@ def checkpoint_dir(tmp_path_factory, small_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
-  # Warmed up: every program compiled before the tests, so the load test's memory rounds see no compilation.
-  with live_server.serving(checkpoint_dir, slots=8, max_len=128, warmup=True) as running:
-    yield running
+  """(http, engine, sampler, tokenizer): the app in this process. Not warmed up: each program compiles when a test
+  first needs it, which costs the fast tier less than compiling them all (the load test warms its own server)."""
+  with asgi_server.asgi_serving(checkpoint_dir, slots=8, max_len=128) as served:
+    yield served
+
+
+@pytest.fixture(scope="module")
+def socket_server(checkpoint_dir):
+  """(url, engine, sampler, tokenizer) on a loopback socket, for the load test whose subject is connections. Its own
+  engine: the load test counts the engine's requests and cancellations. Warmed up: every program compiled before
+  the test, so its memory rounds see no compilation."""
+  with live_server.serving(checkpoint_dir, slots=8, max_len=128, warmup=True) as served:
+    yield served
 
 
 @pytest.fixture(scope="module")
 def client(server):
-  import openai
-
-  url = server[0]
-  return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+  return asgi_server.openai_client(server[0])
 
 
 def greedy_text(server, prompt_ids, max_tokens, budget=None):
@@ -50,7 +58,7 @@ def greedy_text(server, prompt_ids, max_tokens, budget=None):
 
 def test_models_and_health(server, client):
   assert [m.id for m in client.models.list().data] == ["tiny"]
-  health = httpx.get(f"{server[0]}/health").json()
+  health = server[0].get("/health").json()
   assert health["status"] == "ok" and health["slots"] == 8
 
 
@@ -245,35 +253,34 @@ BATTERY = [
 
 
 def test_malformed_requests_get_the_documented_4xx_and_the_server_keeps_serving(server):
-  url = server[0]
-  with httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
-    for endpoint, body, status, fragment in BATTERY:
-      content = body if isinstance(body, bytes) else json.dumps(body).encode()
-      response = http.post(f"/{endpoint}", content=content, headers={"content-type": "application/json"})
-      assert response.status_code == status, (endpoint, body, response.text)
-      error = response.json()["error"]
-      assert fragment in error["message"], (body, error)
-      assert set(error) == {"message", "type", "param", "code"}
-    big_body = b'{"prompt": "' + b"a" * (10 * 2**20) + b'"}'
-    big = http.post("/completions", content=big_body, headers={"content-type": "application/json"})
-    assert big.status_code == 413 and "exceeds the limit" in big.json()["error"]["message"]
-    assert http.get("/completions").status_code == 405
-    ok = http.post("/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
-    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+  http = server[0]
+  for endpoint, body, status, fragment in BATTERY:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = http.post(f"/v1/{endpoint}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, (endpoint, body, response.text)
+    error = response.json()["error"]
+    assert fragment in error["message"], (body, error)
+    assert set(error) == {"message", "type", "param", "code"}
+  big_body = b'{"prompt": "' + b"a" * (10 * 2**20) + b'"}'
+  big = http.post("/v1/completions", content=big_body, headers={"content-type": "application/json"})
+  assert big.status_code == 413 and "exceeds the limit" in big.json()["error"]["message"]
+  assert http.get("/v1/completions").status_code == 405
+  ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+  assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
   assert len(BATTERY) + 2 >= 20
 
 
 def test_api_key_is_required_when_set(checkpoint_dir):
   import openai
 
-  with live_server.serving(checkpoint_dir, slots=2, max_len=64, api_key="sesame") as (url, *_):
-    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401
-    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+  with asgi_server.asgi_serving(checkpoint_dir, slots=2, max_len=64, api_key="sesame") as (http, *_):
+    assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
+    wrong = asgi_server.openai_client(http, api_key="wrong")
     with pytest.raises(openai.AuthenticationError):
       wrong.completions.create(model="tiny", prompt="hi", max_tokens=2)
-    right = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
+    right = asgi_server.openai_client(http, api_key="sesame")
     assert right.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).choices
-    assert httpx.get(f"{url}/health").status_code == 200  # health stays open for probes
+    assert http.get("/health").status_code == 200  # health stays open for probes
 
 
 def load_round(server, n_requests=64, n_clients=16, n_disconnects=8, seed=0):
@@ -336,17 +343,17 @@ def load_round(server, n_requests=64, n_clients=16, n_disconnects=8, seed=0):
   return jobs, results, sum(f.result() for f in dropped)
 
 
-def test_load_with_concurrent_and_disconnecting_clients(server):
+def test_load_with_concurrent_and_disconnecting_clients(socket_server):
   """64 requests from 16 concurrent clients and 8 streams dropped mid-way: every request answered exactly once with
   exactly the offline greedy text; the dropped streams' slots are freed and reused; memory flat across rounds."""
-  url, engine, sampler, tokenizer = server
+  url, engine, sampler, tokenizer = socket_server
   before_requests = engine.stats["requests"]
   before_cancelled = engine.stats["finished_cancelled"]
-  jobs, results, dropped = load_round(server, seed=0)
+  jobs, results, dropped = load_round(socket_server, seed=0)
   assert sorted(results) == list(range(len(jobs)))
   for job in jobs:
     result = results[job["index"]]
-    want, n = greedy_text(server, tokenizer.encode(job["prompt"], bos=True), job["max_tokens"], budget=40)
+    want, n = greedy_text(socket_server, tokenizer.encode(job["prompt"], bos=True), job["max_tokens"], budget=40)
     assert result["text"] == want, job
     assert result["finishes"] == ["length" if n == job["max_tokens"] else "stop"] and result["done"] == 1
   assert dropped == 8
@@ -357,9 +364,9 @@ def test_load_with_concurrent_and_disconnecting_clients(server):
   assert engine.stats["finished_cancelled"] - before_cancelled == 8
   assert engine.stats["requests"] - before_requests == 72  # 72 requests through 8 slots: slots were reused
   # Memory: a second and third round of the same traffic leave the process's resident size where the first did.
-  load_round(server, seed=1)
+  load_round(socket_server, seed=1)
   settled = live_server.rss_mib()
-  load_round(server, seed=2)
+  load_round(socket_server, seed=2)
   grown = live_server.rss_mib() - settled
   print(f"resident memory after round 2: {settled:.0f} MiB; round 3 added {grown:+.1f} MiB")
   assert grown < 32, f"resident memory grew {grown:.1f} MiB over one more round of 72 requests"
@@ -449,10 +456,10 @@ def test_a_token_prompt_ending_inside_a_character_loses_no_text(server):
 
 
 def test_a_full_queue_is_503_and_a_failing_step_ends_only_the_running_requests(checkpoint_dir):
-  with live_server.serving(checkpoint_dir, slots=2, max_len=64, engine_kwargs=dict(max_queue=0)) as (url, *_):
-    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+  with asgi_server.asgi_serving(checkpoint_dir, slots=2, max_len=64, engine_kwargs=dict(max_queue=0)) as (http, *_):
+    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
-  with live_server.serving(checkpoint_dir, slots=2, max_len=64) as (url, engine, *_):
+  with asgi_server.asgi_serving(checkpoint_dir, slots=2, max_len=64) as (http, engine, *_):
     run_rows = engine._run_rows
 
     def fails_once(*args):
@@ -460,11 +467,11 @@ def test_a_full_queue_is_503_and_a_failing_step_ends_only_the_running_requests(c
       raise RuntimeError("simulated device failure")
 
     engine._run_rows = fails_once
-    broken = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60)
+    broken = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8})
     assert broken.status_code == 500 and "simulated device failure" in broken.json()["error"]["message"]
-    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8, "temperature": 0}, timeout=60)
+    ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert http.get("/health").json()["status"] == "ok"
 
 
 def test_a_non_streaming_client_that_leaves_frees_its_slot(checkpoint_dir):
