@@ -2,14 +2,16 @@
 
 A reply streams into its bubble (several lengths seen before the page marks it done) and equals the server's greedy
 non-streamed reply to the same messages; Stop and New chat end a reply mid-stream, and the engine frees its slot.
-The tiny model decodes a token in well under a millisecond, so the engine is paced (a pause after each compiled call)
-to the speed of a real model: a reply then lasts seconds, and the polls see it grow even on a loaded machine.
+The tiny model decodes a reply in milliseconds, so while the test watches a reply the engine is held: it runs its
+next compiled call only once the page shows the text of the one before (or the request is cancelled). The polls
+then see the reply grow, and it is still running when the test interrupts it, however fast or loaded the machine.
 """
 
+import contextlib
 import json
 import shutil
 import struct
-import time
+import threading
 import urllib.request
 
 import pytest
@@ -17,8 +19,7 @@ import pytest
 from tests.conftest import skip_or_fail
 from tests.live_server import serving, tiny_checkpoint
 
-PACE_S = 0.1  # after each compiled call of the engine (STEPS_PER_CALL = 4 tokens): 40 tokens a second at most
-LONG = 180  # tokens of a reply to interrupt: 4.5 s at least, paced
+LONG = 180  # tokens of a reply to interrupt: many compiled calls (8 tokens each), of which the held engine runs one
 SYSTEM = "You are a terse poet."
 WAIT_S = 60  # bound on every wait for the page (the first request compiles the engine's programs)
 
@@ -57,21 +58,57 @@ def browser():
     driver.quit()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, small_tokenizer):
-  """(url, engine) of the server over a random 2-layer model, its engine paced to a real model's speed."""
-  checkpoint_dir = tiny_checkpoint(str(tmp_path_factory.mktemp("checkpoint")), small_tokenizer)
-  with serving(checkpoint_dir, slots=4, max_len=256) as (url, engine, _, _):
-    step = engine.step
+class HeldEngine:
+  """The server's engine, which the test can hold (`held`): after each compiled call that did work, the engine's
+  thread then waits for the test's `next_call` (given once the page shows that call's text) or for a request to be
+  cancelled (a client gone: the next call drops it). Outside `held`, it runs free."""
 
-    def paced_step():  # the engine's thread calls self.step() each round
+  def __init__(self, engine):
+    self.engine = engine
+    self._turn = threading.Condition()
+    self._held, self._calls = False, 0
+    step, cancel = engine.step, engine.cancel
+
+    def held_step():  # the engine's thread calls self.step() each round
       busy = step()
-      if busy:
-        time.sleep(PACE_S)
+      with self._turn:
+        if busy and self._held:  # the bound only ends a hang (a test that never lets it go on)
+          self._turn.wait_for(lambda: self._calls > 0 or not self._held, timeout=5 * WAIT_S)
+          self._calls = max(self._calls - 1, 0)
       return busy
 
-    engine.step = paced_step
-    yield url, engine
+    def cancelled(request):  # the server's, when a client goes away
+      cancel(request)
+      self.next_call()
+
+    engine.step, engine.cancel = held_step, cancelled
+
+  def next_call(self) -> None:
+    with self._turn:
+      self._calls += 1
+      self._turn.notify_all()
+
+  @contextlib.contextmanager
+  def held(self):
+    with self._turn:
+      self._held, self._calls = True, 0
+    try:
+      yield
+    finally:
+      with self._turn:
+        self._held = False
+        self._turn.notify_all()
+
+  def __getattr__(self, name):  # the rest is the engine's (stats, busy_slots)
+    return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, small_tokenizer):
+  """(url, engine) of the server over a random 2-layer model, its engine one the test can hold (HeldEngine)."""
+  checkpoint_dir = tiny_checkpoint(str(tmp_path_factory.mktemp("checkpoint")), small_tokenizer)
+  with serving(checkpoint_dir, slots=4, max_len=256) as (url, engine, _, _):
+    yield url, HeldEngine(engine)
 
 
 def _open_chat(driver, url: str, max_tokens: int) -> None:
@@ -98,25 +135,29 @@ def _set_max_tokens(driver, max_tokens: int) -> None:
   box.send_keys(str(max_tokens))
 
 
-def _watch_reply(driver) -> tuple[list[int], str]:
-  """The lengths of the last reply's text seen while it streamed (polls 50 times a second), and its final text."""
+def _watch_reply(driver, engine: HeldEngine) -> tuple[list[int], str]:
+  """The lengths of the last reply's text seen while it streamed, and its final text. Each new length seen lets the
+  held engine run its next call: the page shows every call's text before the next one runs."""
   from selenium.webdriver.support.ui import WebDriverWait
 
   seen = []
 
   def done(d):
     length, finished, text = d.execute_script(LAST_REPLY)
-    if not finished:
+    if finished:
+      return text
+    if length != (seen[-1] if seen else 0):
       seen.append(length)
-    return text if finished else False
+      engine.next_call()
+    return False
 
   return seen, WebDriverWait(driver, WAIT_S, poll_frequency=0.02).until(done)
 
 
-def _interrupt_when_text_shows(driver, engine, button: str) -> int:
-  """Clicks `button` once the last reply has text; returns the reply's length when the page marked it done (0 when
-  the bubble is gone). Then the engine must free the slot by cancelling the request (one that ran to its end would
-  count as "length"), and the page must take a new message."""
+def _interrupt_when_text_shows(driver, engine: HeldEngine, button: str) -> int:
+  """Clicks `button` once the last reply has text (the engine held: the reply cannot end meanwhile); returns the
+  reply's length when the page marked it done (0 when the bubble is gone). Then the engine must free the slot by
+  cancelling the request (one that ran to its end would count as "length"), and the page must take a new message."""
   from selenium.webdriver.common.by import By
   from selenium.webdriver.support.ui import WebDriverWait
 
@@ -154,13 +195,14 @@ def _page_errors(driver) -> list[str]:
 def test_reply_streams_into_the_page_and_equals_the_greedy_reply(browser, server, tmp_path):
   from selenium.webdriver.common.by import By
 
-  url, _ = server
+  url, engine = server
   message, max_tokens = "Write about the sea.", 40
   _open_chat(browser, url, max_tokens)
   browser.find_element(By.ID, "input").send_keys(message)
-  browser.find_element(By.ID, "send").click()
-  assert browser.find_element(By.ID, "send").get_attribute("disabled")  # one reply at a time
-  lengths, text = _watch_reply(browser)
+  with engine.held():
+    browser.find_element(By.ID, "send").click()
+    assert browser.find_element(By.ID, "send").get_attribute("disabled")  # one reply at a time
+    lengths, text = _watch_reply(browser, engine)
 
   growing = sorted({n for n in lengths if n > 0})
   assert len(growing) >= 2, f"no growth while streaming: lengths {sorted(set(lengths))} in {len(lengths)} polls"
@@ -183,8 +225,9 @@ def test_stop_ends_the_reply_and_frees_the_slot(browser, server):
 
   url, engine = server
   _open_chat(browser, url, LONG)
-  browser.find_element(By.ID, "input").send_keys("Tell me a long story.", Keys.ENTER)
-  stopped_at = _interrupt_when_text_shows(browser, engine, "stop")
+  with engine.held():
+    browser.find_element(By.ID, "input").send_keys("Tell me a long story.", Keys.ENTER)
+    stopped_at = _interrupt_when_text_shows(browser, engine, "stop")
   # The slot is free: no token of this request is left to come. The text stopped where the page marked it done.
   length, done, _ = browser.execute_script(LAST_REPLY)
   assert done and length == stopped_at > 0
@@ -198,15 +241,17 @@ def test_new_chat_during_a_reply_cancels_it_and_starts_clean(browser, server):
 
   url, engine = server
   _open_chat(browser, url, LONG)
-  browser.find_element(By.ID, "input").send_keys("Tell me a long story.", Keys.ENTER)
-  _interrupt_when_text_shows(browser, engine, "clear")
+  with engine.held():
+    browser.find_element(By.ID, "input").send_keys("Tell me a long story.", Keys.ENTER)
+    _interrupt_when_text_shows(browser, engine, "clear")
   assert not browser.find_elements(By.CSS_SELECTOR, "#log .msg")
 
   # The next message opens the new chat: the interrupted exchange is not in its history, so the reply is the greedy
   # reply to the system prompt and this message alone.
   message, max_tokens = "Hello.", 8
   _set_max_tokens(browser, max_tokens)
-  browser.find_element(By.ID, "input").send_keys(message, Keys.ENTER)
-  _, text = _watch_reply(browser)
+  with engine.held():
+    browser.find_element(By.ID, "input").send_keys(message, Keys.ENTER)
+    _, text = _watch_reply(browser, engine)
   assert text == _greedy(url, message, max_tokens)
   assert not _page_errors(browser)

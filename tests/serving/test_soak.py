@@ -38,6 +38,9 @@ KEY = "soak-key-0123456789abcdef"
 # leak of one prompt's buffers per request would add over thousands of requests.
 FD_SLACK = 1
 RSS_SLACK_MIB = 48
+# How often each kind of traffic must have happened before a run ends (past its seconds): a slow machine runs longer
+# rather than less. The bound on a run only ends a hang.
+AT_LEAST = {"completed": 10, "hung up": 2, "refused": 1}
 
 TEXTS = (
   "Shall I compare thee to a summer's day?",
@@ -81,32 +84,49 @@ def server_state(url: str, pid: int) -> dict:
   )
 
 
-def settled_state(url: str, pid: int, wait_s: float = 60.0) -> dict:
+def settled_state(url: str, pid: int, fds_at_most: int | None = None, wait_s: float = 300.0) -> dict:
   """The server's state once no slot is busy and nothing is queued (cancellations of hung-up requests land one engine
-  step after the hang-up) and its connection count has stopped falling."""
+  step after the hang-up) and its connections are closed: its file descriptors down to `fds_at_most`, or, for the
+  state at the start (whose count is not known beforehand), no longer falling. Past `wait_s` (a hang), the last
+  state seen, which the caller's assertions then show."""
   deadline = time.monotonic() + wait_s
   last = server_state(url, pid)
   while time.monotonic() < deadline:
     time.sleep(0.5)
     state = server_state(url, pid)
-    if state["busy_slots"] == state["queued"] == 0 and state["fds"] == last["fds"]:
+    closed = state["fds"] <= fds_at_most if fds_at_most is not None else state["fds"] == last["fds"]
+    if state["busy_slots"] == state["queued"] == 0 and closed:
       return state
     last = state
   return last
 
 
-def traffic(port: int, prompts: list, answers: dict, seconds: float, seed: int) -> dict:
-  """CLIENTS closed-loop clients for `seconds`: streamed and whole completions of random prompts and lengths, a
-  HANG_UP_RATE share abandoned at a random point, a BAD_RATE share invalid. Tallies, and every mismatch."""
+def kinds(tally: collections.Counter) -> dict:
+  """How often each kind of traffic (AT_LEAST's) happened: every point of a hang-up counts as a hang-up."""
+  hung_up = sum(v for k, v in tally.items() if k.startswith("hung up"))
+  return {"completed": tally["completed"], "hung up": hung_up, "refused": tally["refused"]}
+
+
+def traffic(port: int, prompts: list, answers: dict, seconds: float, seed: int, at_least: dict | None = None) -> dict:
+  """CLIENTS closed-loop clients for `seconds`, and on until each kind of traffic has happened `at_least` as often
+  (see AT_LEAST): streamed and whole completions of random prompts and lengths, a HANG_UP_RATE share abandoned at a
+  random point, a BAD_RATE share invalid. Tallies, and every mismatch."""
   tally = collections.Counter()
   wrong = []
-  end = time.monotonic() + seconds
+  began = time.monotonic()
+  deadline = began + max(10 * seconds, 600)  # only ends a hang: the assertions on the tally then fail
+
+  def going() -> bool:
+    now = time.monotonic()
+    if now >= deadline:
+      return False
+    return now < began + seconds or any(kinds(tally)[kind] < n for kind, n in (at_least or {}).items())
 
   async def client(i: int):
     rng = random.Random(seed * 1000 + i)
     connection = load.Connection(port, {"Authorization": f"Bearer {KEY}"})
     try:
-      while time.monotonic() < end:
+      while going():
         index, n = rng.randrange(len(prompts)), rng.choice(LENGTHS)
         stream = rng.random() < 0.6
         body = load.completion_body("tiny", prompts[index], n, stream)
@@ -146,11 +166,11 @@ def soak(checkpoint_dir: str, expected, seconds: float) -> None:
     warm = traffic(port, prompts, answers, min(15.0, seconds / 3), seed=0)
     start = settled_state(url, server.pid)
     began = time.monotonic()
-    run = traffic(port, prompts, answers, seconds, seed=1)
+    run = traffic(port, prompts, answers, seconds, seed=1, at_least=AT_LEAST)
     took = time.monotonic() - began
-    end = settled_state(url, server.pid)
+    end = settled_state(url, server.pid, fds_at_most=start["fds"] + FD_SLACK)
   tally = run["tally"]
-  hung_up = sum(v for k, v in tally.items() if k.startswith("hung up"))
+  hung_up = kinds(tally)["hung up"]
   print(
     f"\nsoak {took:.0f} s, {CLIENTS} clients on {SLOTS} slots: {tally['completed']} replies completed "
     f"({tally['tokens']} tokens, {tally['tokens'] / took:.0f}/s), {hung_up} hung up "

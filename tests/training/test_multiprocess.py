@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -156,12 +155,12 @@ CONSTANT_LR = ["--config.train.warmup_steps=0", "--config.train.min_lr_ratio=1.0
 
 def signal_process_1_after_step_3(
   procs, signum, limit_s=300, committed: Path | None = None
-) -> tuple[str, list[tuple[str, str]], float]:
+) -> tuple[str, list[tuple[str, str]]]:
   """Sends `signum` to process 1 once process 0 logs step 3 (and, given `committed`, once that checkpoint directory
   exists: an asynchronous save commits when both processes have written, which on a loaded 2-core machine can come
   after step 3 is logged, and a kill before it leaves nothing to resume from); returns process 0's stdout up to
-  there, what both printed after, and the seconds from the signal until both had exited. Whatever happens (no step
-  3, a signal that stops nothing), both are killed within `limit_s`."""
+  there and what both printed after. Whatever happens (no step 3, a signal that stops nothing), both are killed
+  within `limit_s`: a process that hung shows as killed (-SIGKILL), never as a clean exit or JAX's abort."""
   watchdog = threading.Timer(limit_s, lambda: [p.kill() for p in procs])
   watchdog.start()
   try:
@@ -172,19 +171,18 @@ def signal_process_1_after_step_3(
       if step_3 and (committed is None or committed.is_dir()):
         procs[1].send_signal(signum)
         break
-    signalled = time.monotonic()
     outputs = [p.communicate() for p in procs]
   finally:
     watchdog.cancel()
   assert any(line.startswith("step      3 ") for line in seen), "".join(seen) + outputs[0][1][-3000:]
-  return "".join(seen), outputs, time.monotonic() - signalled
+  return "".join(seen), outputs
 
 
 def sigterm_process_1_and_check_both_stopped_at_one_step(workdir, tokenizer, env=None) -> int:
   """A real SIGTERM to process 1 alone, while both train towards 100,000 steps: both must stop after the same step,
   save it together and exit 0. Returns that step."""
   procs = start_two_processes(workdir, tokenizer, 100_000, *CONSTANT_LR, "--config.train.save_every=100000", env=env)
-  head, outputs, _ = signal_process_1_after_step_3(procs, signal.SIGTERM)
+  head, outputs = signal_process_1_after_step_3(procs, signal.SIGTERM)
   for i, (proc, (out, err)) in enumerate(zip(procs, outputs)):
     assert proc.returncode == 0, f"process {i}: exit {proc.returncode}\n{out[-3000:]}{err[-3000:]}"
   stopped = [line for line in (head + outputs[0][0]).splitlines() if line.startswith("stopped by signal at step ")]
@@ -217,17 +215,16 @@ def test_sigterm_to_one_process_without_the_preemption_service_stops_both_at_an_
 
 def test_joining_a_job_whose_other_processes_never_come_ends_after_the_timeout(tmp_path, small_tokenizer):
   """Process 1 alone finds no coordinator: one line, exit 2. Process 0 alone waits for process 1: JAX aborts it after
-  the same timeout, after our line saying what it waited for. Neither hangs."""
+  the same timeout, after our line saying what it waited for. Neither hangs (the run's timeout fails the test if one
+  does)."""
   args = train_command(
     tmp_path / "alone", small_tokenizer, 5, f"--coordinator_address=localhost:{free_port()}", "--num_processes=2"
   )
   env = dict(env_with_devices(4), LLAMA_JAX_INIT_TIMEOUT_S="2")
   for process_id in (1, 0):
-    began = time.monotonic()
     result = subprocess.run(
       [*args, f"--process_id={process_id}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
-    assert time.monotonic() - began < 120
     if process_id == 1:
       assert result.returncode == 2, result.stderr[-3000:]
       last = result.stderr.splitlines()[-1]
@@ -241,12 +238,12 @@ def test_joining_a_job_whose_other_processes_never_come_ends_after_the_timeout(t
 
 def test_a_killed_process_ends_the_other_with_an_error_after_the_heartbeat_timeout(tmp_path, small_tokenizer):
   """SIGKILL to process 1 mid-training: process 0, waiting for it in the next step's all-reduce, does not hang but
-  exits with JAX's error naming the cause, within the heartbeat timeout (5 s here) and a margin."""
+  exits with JAX's error naming the missed heartbeats (its timeout: 5 s here). A hang would end in the watchdog's
+  SIGKILL instead of JAX's SIGABRT."""
   procs = start_two_processes(tmp_path / "run", small_tokenizer, 100_000, env={"LLAMA_JAX_HEARTBEAT_TIMEOUT_S": "5"})
-  _, outputs, seconds = signal_process_1_after_step_3(procs, signal.SIGKILL)
+  _, outputs = signal_process_1_after_step_3(procs, signal.SIGKILL)
   assert procs[1].returncode == -signal.SIGKILL
   assert procs[0].returncode == -signal.SIGABRT, outputs[0][1][-3000:]
-  assert seconds < 60
   assert "This most likely indicates that another task died" in outputs[0][1], outputs[0][1][-3000:]
   assert "stopped sending heartbeats" in outputs[0][1]
 
