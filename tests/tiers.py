@@ -3,9 +3,9 @@
 The fast tier (`python -m pytest -q`) is every test that runs inside the pytest process; the full tier
 (`python -m pytest -q --tier full`, then tests/multidevice on 8 simulated devices) adds the tests that start
 processes, serve on a socket, talk to the GCS emulator, drive Chromium, run Beam or the TPU compiler. A test's marks
-come from the code it can reach: its own body, the fixtures it requests, and every helper of the `tests` package they
-call, followed transitively. A new test that calls `runs.run_train` or opens `live_server.serving` is marked without
-anyone writing a mark.
+come from the code it can reach: its own body, the fixtures it requests, and every helper of the `tests` package (and
+of `bench/`, whose scripts some tests drive) they call, followed transitively. A new test that calls `runs.run_train`
+or opens `live_server.serving` is marked without anyone writing a mark.
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ def _resource(name: str) -> str | None:
   return None
 
 
+# The project's own code that tests call and that may start processes itself: followed like the tests' helpers.
+FOLLOWED = ("tests", "bench")
+
+
 def _in_tests(name: str | None) -> bool:
-  return bool(name) and (name == "tests" or name.startswith("tests."))
+  return bool(name) and any(name == package or name.startswith(package + ".") for package in FOLLOWED)
 
 
 def _codes(code: types.CodeType):

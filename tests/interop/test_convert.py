@@ -2,7 +2,6 @@
 
 import json
 import os
-import runpy
 import subprocess
 import sys
 
@@ -430,8 +429,9 @@ def test_conversion_streams_within_1_3x_of_the_model_bytes(tmp_path):
   """bench/convert_memory.py on an 87 MB float32 model (dim 512, 4 layers, vocab 8000), each direction in a fresh
   process: the conversion adds at most 1.3x the model's bytes + MEMORY_ALLOWANCE to the process's resident memory
   (the README's figures come from the same bench at 1.5 GB). Before streaming: 2.0x (to_hf) and 3.8x (from_hf)."""
-  bench = runpy.run_path(os.path.join(ROOT, "bench", "convert_memory.py"), run_name="convert_memory")
-  report = bench["measure"](dim=512, n_layers=4, vocab_size=8000, workdir=str(tmp_path), parallel=True)
+  from bench import convert_memory
+
+  report = convert_memory.measure(dim=512, n_layers=4, vocab_size=8000, workdir=str(tmp_path), parallel=True)
   assert report["model_bytes"] == 87_312_384
   for direction in ("to_hf", "from_hf", "from_meta"):
     peak = report[direction]["peak_bytes"]
