@@ -44,9 +44,36 @@ LONGEST_FILES = (
   "tests/serving/test_soak.py",
 )
 
-# In-process tests that the measured --durations=0 run found too slow for the fast tier (node ids, parameters
-# included or not); everything else that leaves the fast tier does so by what it uses (tests/tiers.py).
-SLOW_IN_PROCESS: set[str] = set()
+# In-process tests that the measured fast tier (--durations=0, serial, 2 cores) found slowest, each 8 s or more, moved
+# to the full tier so that the fast one answers in minutes; what they check, other fast tests check on smaller cases
+# (named beside each). A node id with its parameters moves that case only. Everything else that leaves the fast tier
+# does so by what it uses (tests/tiers.py).
+SLOW_IN_PROCESS = {
+  # more requests than slots, against the sampler alone: the engine's other 25 tests admit, stop and pad rows
+  "tests/inference/test_engine.py::test_greedy_outputs_equal_each_prompt_decoded_alone_with_more_requests_than_slots",
+  # a warmed-up server under a traffic mix: test_metrics_need_no_key_on_a_server_without_one scrapes the same page
+  "tests/serving/test_metrics_endpoint.py::test_metrics_count_a_known_traffic_mix",
+  # long prompts by chunks in the engine: its shorter cases and test_sampler's chunked prefill stay
+  "tests/inference/test_chunked_prefill.py::test_long_prompts_prefilled_by_chunks_decode_the_samplers_greedy_tokens",
+  # two grain worker processes (multiprocessing, which tiers.py does not follow); the same resume without workers stays
+  "tests/data/test_streaming.py::test_a_resume_from_the_json_state_continues_bit_for_bit[2]",
+  # MoE against transformers' generate: the logits and router tests against Mixtral stay
+  "tests/model/test_moe.py::test_moe_every_second_block_decodes_as_transformers_generates",
+  "tests/model/test_moe.py::test_greedy_sampler_and_engine_equal_transformers_generate",
+  "tests/model/test_moe.py::test_compute_paths_give_the_dense_reference_loss_and_gradients[dropless_tiles]",
+  # 200 training steps before quantizing: the int8 logits tests in both layouts stay
+  "tests/model/test_quantize.py::test_trained_tiny_model_keeps_its_loss_and_greedy_text_with_int8_weights",
+  # packing's logits and gradients: the packing and masking tests of test_chat stay
+  "tests/data/test_chat.py::test_packed_conversations_give_the_logits_and_gradients_they_give_alone",
+  # the unrolled loop: scan, remat and their combinations stay
+  "tests/model/test_llama.py::test_scan_loop_and_remat_give_the_same_logits_and_grads[loop]",
+  # stored and initialised variants' activations: the inspection forward and attention figures stay
+  "tests/analysis/test_viz.py::test_activations_png_and_json_for_stored_and_initialised_variants",
+  # chunked attention without remat: the case with remat stays
+  "tests/model/test_attention.py::test_chunked_attention_equals_xla_forward_and_backward_with_segments[False]",
+  # accumulation against one big batch: the train step's other tests and test_train's accumulated runs (full) stay
+  "tests/training/test_optimizer.py::test_gradient_accumulation_equals_one_big_batch",
+}
 
 
 def pytest_addoption(parser):
@@ -71,6 +98,11 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
   tiers.apply(items, SLOW_IN_PROCESS)
+  if config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite: every slow entry names a test
+    collected = {item.nodeid for item in items} | {item.nodeid.split("[")[0] for item in items}
+    stale = SLOW_IN_PROCESS - collected
+    if stale:
+      raise pytest.UsageError(f"tests/conftest.py SLOW_IN_PROCESS names no collected test: {sorted(stale)}")
   rank = {path: i for i, path in enumerate(LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
   if config.option.tier == "fast":
