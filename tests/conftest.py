@@ -15,7 +15,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # tests/multidevice needs 8 simulated CPU devices, which must be set before jax starts: the full tier runs it as its
-# own pytest process (XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/multidevice), so
+# own pytest process (XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 0 tests/multidevice), so
 # a run without them skips collecting it.
 if "xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
   collect_ignore = ["multidevice"]
@@ -88,12 +88,31 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-  # Resolved once here, so that pytest-xdist's workers (which get the options, not how the paths were given) agree.
-  if config.option.tier is None and not hasattr(config, "workerinput"):
+  # Resolved once, in the controller: pytest-xdist's workers are given their paths explicitly, and take the tier from
+  # pytest_configure_node below.
+  if hasattr(config, "workerinput"):
+    config.option.tier = config.workerinput["tier"]
+  elif config.option.tier is None:
     config.option.tier = "fast" if config.args_source == pytest.Config.ArgsSource.TESTPATHS else "full"
   for mark, meaning in tiers.MARKS.items():
     config.addinivalue_line("markers", f"{mark}: {meaning}; in the full tier only (applied by tests/tiers.py)")
   config.addinivalue_line("markers", f"{tiers.FULL}: any of {', '.join(tiers.MARKS)}: the full tier's tests")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto` (pyproject's addopts): one worker per CPU this process may use, logical ones included (xdist's own
+  count takes physical cores: one on a 2-vCPU machine with two threads per core), at most 4, since each worker holds
+  its own jax, torch and compiled programs (1–4 GiB). PYTEST_XDIST_AUTO_NUM_WORKERS, or -n N, chooses otherwise."""
+  if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ:
+    return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+  return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  """pytest-xdist: each worker runs the controller's tier."""
+  node.workerinput["tier"] = node.config.option.tier
 
 
 def pytest_collection_modifyitems(config, items):
@@ -133,7 +152,7 @@ def pytest_terminal_summary(terminalreporter, config):
   if config.option.tier == "fast" and not config.getoption("collectonly"):
     terminalreporter.write_line(
       "fast tier: tests inside this process only; the full tier: python -m pytest -q --tier full, then "
-      "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q tests/multidevice"
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 0 tests/multidevice"
     )
 
 

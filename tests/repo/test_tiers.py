@@ -3,6 +3,7 @@ and the suite's own tests on either side of the line."""
 
 import contextlib
 import subprocess
+import types
 
 from tests import gcs_emulator, live_server, runs, tiers
 
@@ -78,6 +79,25 @@ def test_each_way_of_reaching_a_resource_earns_its_mark():
 def test_in_process_code_earns_no_mark_even_beside_a_resource_helper():
   assert marks("makes_a_checkpoint_only") == set()  # live_server's checkpoint helper serves nothing
   assert marks("computes_only") == set()
+
+
+def asks_for_a_fixture_by_name(request):
+  return request.getfixturevalue("a_fixture_that_starts_a_process")
+
+
+def test_a_fixture_asked_for_by_name_in_the_body_gives_its_marks():
+  """`request.getfixturevalue("name")`: the fixture is looked up for the test as pytest would, and followed."""
+  definition = types.SimpleNamespace(argname="a_fixture_that_starts_a_process", func=starts_a_process)
+  manager = types.SimpleNamespace(getfixturedefs=lambda name, item: [definition] if name == definition.argname else [])
+  item = types.SimpleNamespace(
+    nodeid="tests/x.py::t",
+    function=asks_for_a_fixture_by_name,
+    _fixtureinfo=None,
+    session=types.SimpleNamespace(_fixturemanager=manager),
+  )
+  assert tiers.marks_of(item, tiers._Walker()) == {"process"}
+  item.function = computes_only
+  assert tiers.marks_of(item, tiers._Walker()) == set()
 
 
 def test_the_suite_s_own_tests_fall_on_the_expected_side():

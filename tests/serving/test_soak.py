@@ -3,7 +3,7 @@
 open file descriptors and busy slots are where they were at the start (within the bounds below), and every reply that
 completed carries exactly the offline Sampler's greedy text, token count and finish reason.
 
-The default suite runs it for SHORT_S seconds; the `stress` marker for STRESS_S (python -m pytest -m stress
+The default suite runs it for SHORT_S seconds; the `stress` marker for STRESS_S (python -m pytest -n 0 -m stress
 tests/serving/test_soak.py -s prints the figures)."""
 
 from __future__ import annotations

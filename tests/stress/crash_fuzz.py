@@ -2,8 +2,8 @@
 preparation, training steps, async checkpoint saves, evaluation) and rerun in the same workdir after each kill must
 end bit-identical to an uninterrupted run (parameters, optimizer state, step, RNG), having trained on the same batches.
 
-    python -m pytest -q tests/stress/crash_fuzz.py -s            # N=5, one kill per phase (also in the default suite)
-    python -m pytest -q -m stress tests/stress/crash_fuzz.py -s  # N=30; CRASH_FUZZ_N and CRASH_FUZZ_SEED change it
+    python -m pytest -q -n 0 tests/stress/crash_fuzz.py -s            # N=5, one kill per phase (the full tier runs it)
+    python -m pytest -q -n 0 -m stress tests/stress/crash_fuzz.py -s  # N=30; CRASH_FUZZ_N and CRASH_FUZZ_SEED change it
 
 How a kill lands where it should: the run is ``tests.stress.fuzz_child``, which reports each phase's begin and end on
 a pipe. A seeded plan names the phase of each kill (tokenizer and data kills first: those phases only run until they

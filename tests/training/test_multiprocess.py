@@ -336,10 +336,13 @@ def test_two_streaming_processes_read_their_own_files_and_resume_exactly(tmp_pat
   assert one.returncode == 2 and "read by 2 processes with data.workers=0; this run has 1" in one.stderr, one.stderr
 
 
-def beam_shards(tmp_path, tokenizer):
-  """The micro run's sources prepared by `python -m llama_jax.prepare` with 2 Beam worker processes."""
+@pytest.fixture(scope="module")
+def beam_shards(tmp_path_factory, small_tokenizer):
+  """The micro run's sources prepared by `python -m llama_jax.prepare` with 2 Beam worker processes, once for the
+  tests here that read them (read only)."""
   require_beam()
-  shards = tmp_path / "shards"
+  shards = tmp_path_factory.mktemp("beam") / "shards"
+  tokenizer = small_tokenizer
   prepared = run_module(
     "llama_jax.prepare",
     "--config",
@@ -355,11 +358,11 @@ def beam_shards(tmp_path, tokenizer):
   return shards
 
 
-def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp_path, small_tokenizer):
+def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp_path, small_tokenizer, beam_shards):
   """Shards from `python -m llama_jax.prepare` (2 Beam workers) read by 2 processes, each its rows of every global
   batch; one process resumes their step-3 checkpoint and continues with the losses of a run that was one process
   from the start (the iterator state is a batch count: the same for any process count)."""
-  shards = beam_shards(tmp_path, small_tokenizer)
+  shards = beam_shards
   data = [f"--config.data.prepared_dir={shards}", "--config.train.save_every=3"]
   one, two = tmp_path / "one", tmp_path / "two"
   run_two_processes(two, small_tokenizer, 3, *data)
@@ -371,14 +374,14 @@ def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp
 
 
 @pytest.mark.parametrize("mode", ["beam shards", "streaming"])
-def test_a_sigkilled_two_process_run_reruns_bit_identical(tmp_path, small_tokenizer, mode):
+def test_a_sigkilled_two_process_run_reruns_bit_identical(tmp_path, small_tokenizer, mode, request):
   """SIGKILL to process 1 of 2 training on Beam-prepared shards or streaming (process 0 then ends at the heartbeat
   timeout); a 2-process rerun resumes from the last checkpoint both committed and ends bit-identical to a run never
   stopped: the shards' state is one batch count, the streams' state every process's position."""
   if mode == "streaming":
     data = [*STREAMING[:2], "--config.train.save_every=2", *CONSTANT_LR]
   else:
-    data = [f"--config.data.prepared_dir={beam_shards(tmp_path, small_tokenizer)}", "--config.train.save_every=2"]
+    data = [f"--config.data.prepared_dir={request.getfixturevalue('beam_shards')}", "--config.train.save_every=2"]
     data += CONSTANT_LR
   killed, straight = tmp_path / "killed", tmp_path / "straight"
   procs = start_two_processes(killed, small_tokenizer, 100_000, *data, env={"LLAMA_JAX_HEARTBEAT_TIMEOUT_S": "5"})
