@@ -15,7 +15,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # tests/multidevice needs 8 simulated CPU devices, which must be set before jax starts: the full tier runs it as its
-# own pytest process (XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 0 tests/multidevice), so
+# own pytest process (XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 2 tests/multidevice), so
 # a run without them skips collecting it.
 if "xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
   collect_ignore = ["multidevice"]
@@ -160,7 +160,7 @@ def pytest_terminal_summary(terminalreporter, config):
   if config.option.tier == "fast" and not config.getoption("collectonly"):
     terminalreporter.write_line(
       "fast tier: tests inside this process only; the full tier: python -m pytest -q --tier full, then "
-      "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 0 tests/multidevice"
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -q -n 2 tests/multidevice"
     )
 
 
