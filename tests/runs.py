@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -65,25 +66,25 @@ def run_module(*args, stdin=None):
   )
 
 
-def main_output(main, args: list[str], capsys, monkeypatch, stdin: str = "") -> str:
-  """What a command prints to stdout, run in this process (`main(args)` returning 0, stdin read from `stdin`), for
-  tests about what it prints rather than about its process (exit codes and stderr lines have their own tests)."""
-  monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-  capsys.readouterr()
-  assert main(args) == 0
-  return capsys.readouterr().out
-
-
-def main_exit(main, args: list[str], capfd) -> tuple[int, str, str]:
-  """(exit status, stdout, stderr) of a command's `main(args)` run in this process, read at the file descriptors as
-  a process's would be: for its refusals (one line, exit 2), which need no process of their own."""
-  capfd.readouterr()
-  try:
-    status = main(args)
-  except SystemExit as e:
-    status = e.code
-  out, err = capfd.readouterr()
+def run_main(main, args: list[str], capture, stdin: str = "") -> tuple[int, str, str]:
+  """(exit status, stdout, stderr) of a command's `main(args)` run in this process, stdin read from `stdin`, for
+  tests of what it prints or refuses rather than of its process. `capture`: pytest's capfd reads at the file
+  descriptors, as a process's output would be read; capsys at sys.stdout and sys.stderr."""
+  capture.readouterr()
+  with mock.patch.object(sys, "stdin", io.StringIO(stdin)):
+    try:
+      status = main(args)
+    except SystemExit as e:
+      status = e.code
+  out, err = capture.readouterr()
   return status, out, err
+
+
+def main_output(main, args: list[str], capture, stdin: str = "") -> str:
+  """What a command's `main(args)` prints to stdout in this process, having returned 0 (run_main)."""
+  status, out, err = run_main(main, args, capture, stdin)
+  assert status == 0, err[-3000:]
+  return out
 
 
 def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):

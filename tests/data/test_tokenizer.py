@@ -335,7 +335,7 @@ def test_expand_inputs_walks_directories_and_globs(tmp_path):
     tokenizer_lib.expand_inputs([str(tmp_path / "nope")])
 
 
-def test_cli_trains_and_reports(tmp_path, capsys, monkeypatch, caplog):
+def test_cli_trains_and_reports(tmp_path, capsys, caplog):
   """The command's report, its `main` run in this process (its exit codes and error lines: the next test)."""
   corpus = tmp_path / "corpus"
   corpus.mkdir()
@@ -343,7 +343,7 @@ def test_cli_trains_and_reports(tmp_path, capsys, monkeypatch, caplog):
   (corpus / "bad.txt").write_bytes(b"abc\xff\xfe def\n" * 3)
   args = ["--input", str(corpus), "--vocab_size", "400", "--out", str(tmp_path / "out")]
   with caplog.at_level(logging.WARNING):
-    printed = runs.main_output(tokenizer_command.main, args, capsys, monkeypatch)
+    printed = runs.main_output(tokenizer_command.main, args, capsys)
   assert f"wrote {tmp_path / 'out' / 'tokenizer.model'}" in printed
   assert "vocab size: 400" in printed
   assert "replaced bytes: 6" in printed
@@ -365,7 +365,7 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, case, capfd):
     "exists": (["--input", tiny, "--vocab_size", "300"], "already exists"),
   }[case]
   overwrite = [] if case == "exists" else ["--overwrite"]
-  status, printed, err = runs.main_exit(tokenizer_command.main, [*args, "--out", str(out), *overwrite], capfd)
+  status, printed, err = runs.run_main(tokenizer_command.main, [*args, "--out", str(out), *overwrite], capfd)
   assert status == 2
   assert err.startswith("error: ") and message in err
   assert err.count("\n") == 1 and printed == ""

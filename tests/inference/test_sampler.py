@@ -226,25 +226,23 @@ def batch_output(texts):
 GREEDY_12 = ["--max_new_tokens", "12", "--temperature", "0"]
 
 
-def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir, greedy_completions, capsys, monkeypatch):
+def test_cli_prints_each_completion_without_special_tokens(checkpoint_dir, greedy_completions, capsys):
   """The command's output, its `main` run in this process (its exit codes and error lines: the tests below)."""
   prompt_args = ["--checkpoint", checkpoint_dir, *[arg for prompt in CLI_PROMPTS for arg in ("--prompt", prompt)]]
-  printed = runs.main_output(sample.main, [*prompt_args, *GREEDY_12], capsys, monkeypatch)
+  printed = runs.main_output(sample.main, [*prompt_args, *GREEDY_12], capsys)
   assert printed == batch_output(greedy_completions)
   assert "<s>" not in printed and "</s>" not in printed and "<unk>" not in printed
   one = ["--checkpoint", checkpoint_dir, "--prompt", CLI_PROMPTS[0], *GREEDY_12, "--stream", "yes"]
-  assert runs.main_output(sample.main, one, capsys, monkeypatch) == greedy_completions[0] + "\n"
+  assert runs.main_output(sample.main, one, capsys) == greedy_completions[0] + "\n"
   chunked = [*prompt_args, *GREEDY_12, "--prefill_chunk", "2"]
-  assert runs.main_output(sample.main, chunked, capsys, monkeypatch) == printed
+  assert runs.main_output(sample.main, chunked, capsys) == printed
 
 
-def test_cli_prompt_file_gives_one_completion_per_non_blank_line(
-  checkpoint_dir, greedy_completions, tmp_path, capsys, monkeypatch
-):
+def test_cli_prompt_file_gives_one_completion_per_non_blank_line(checkpoint_dir, greedy_completions, tmp_path, capsys):
   prompt_file = tmp_path / "prompts.txt"
   prompt_file.write_text(f"{CLI_PROMPTS[0]}\n\n   \n{CLI_PROMPTS[1]}\n\n", encoding="utf-8")
   args = ["--checkpoint", checkpoint_dir, "--prompt_file", str(prompt_file), *GREEDY_12]
-  assert runs.main_output(sample.main, args, capsys, monkeypatch) == batch_output(greedy_completions)
+  assert runs.main_output(sample.main, args, capsys) == batch_output(greedy_completions)
 
 
 def test_prompt_lengths_inside_one_bucket_share_one_compiled_prefill_and_decode():
@@ -275,7 +273,7 @@ def test_prompt_lengths_inside_one_bucket_share_one_compiled_prefill_and_decode(
 )
 def test_cli_bad_input_is_one_line_exit_2(checkpoint_dir, args, fragment, capfd):
   """In this process (`main`; the exit status a process would get); the next test runs the command as one."""
-  status, _, err = runs.main_exit(sample.main, ["--checkpoint", checkpoint_dir, *args], capfd)
+  status, _, err = runs.run_main(sample.main, ["--checkpoint", checkpoint_dir, *args], capfd)
   lines = err.strip().splitlines()
   assert status == 2 and len(lines) == 1 and fragment in lines[0], err
 

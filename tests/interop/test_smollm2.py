@@ -85,19 +85,19 @@ def test_converted_logits_equal_transformers(smollm2):
   assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_sample_greedy_text_equals_generate(smollm2, capsys, monkeypatch):
+def test_sample_greedy_text_equals_generate(smollm2, capsys):
   _, checkpoint, model, tokenizer = smollm2
   args = ["--checkpoint", checkpoint, *[a for p in PROMPTS for a in ("--prompt", p)]]
-  out = runs.main_output(sample.main, [*args, "--temperature", "0", "--max_new_tokens", "24"], capsys, monkeypatch)
+  out = runs.main_output(sample.main, [*args, "--temperature", "0", "--max_new_tokens", "24"], capsys)
   rows = [row[:-1] for row in out.split("-" * 40 + "\n")[1:]]  # each row: a separator, text, newline
   want = [p + generated(model, tokenizer, tokenizer(p)["input_ids"], 24) for p in PROMPTS]
   assert rows == want
 
 
-def test_chat_with_a_system_prompt_equals_generate_on_the_template(smollm2, capsys, monkeypatch):
+def test_chat_with_a_system_prompt_equals_generate_on_the_template(smollm2, capsys):
   _, checkpoint, model, tokenizer = smollm2
   args = ["--checkpoint", checkpoint, "--chat", "--system", SYSTEM, "--temperature", "0", "--max_new_tokens", "40"]
-  out = runs.main_output(sample.main, args, capsys, monkeypatch, stdin="\n".join(TURNS) + "\n")
+  out = runs.main_output(sample.main, args, capsys, stdin="\n".join(TURNS) + "\n")
   messages, want = [{"role": "system", "content": SYSTEM}], []
   for turn in TURNS:
     messages.append({"role": "user", "content": turn})
@@ -124,14 +124,14 @@ def test_served_streamed_chat_equals_generate(smollm2):
   assert server.returncode == 0, server.stderr_text
 
 
-def test_evaluate_loss_equals_transformers(smollm2, tmp_path, capsys, monkeypatch):
+def test_evaluate_loss_equals_transformers(smollm2, tmp_path, capsys):
   _, checkpoint, model, tokenizer = smollm2
   text_file = tmp_path / "text.txt"
   text_file.write_text(EVAL_TEXT, encoding="utf-8")
   seq_len, batch_size = 64, 2
   args = ["--checkpoint", checkpoint, "--data", str(text_file), "--seq_len", str(seq_len)]
   args += ["--batch_size", str(batch_size), "--json", str(tmp_path / "metrics.json")]
-  runs.main_output(evaluate.main, args, capsys, monkeypatch)
+  runs.main_output(evaluate.main, args, capsys)
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   # The document as evaluate streams it: SmolLM2 starts documents without bos (its post-processor adds none), eos ends
   # them; windows of seq_len + 1 tokens tile the stream, the last partial one dropped.

@@ -342,14 +342,13 @@ def beam_shards(tmp_path_factory, small_tokenizer):
   tests here that read them (read only)."""
   require_beam()
   shards = tmp_path_factory.mktemp("beam") / "shards"
-  tokenizer = small_tokenizer
   prepared = run_module(
     "llama_jax.prepare",
     "--config",
     "configs/tiny.py",
     "--out",
     str(shards),
-    f"--config.data.tokenizer={tokenizer}",
+    f"--config.data.tokenizer={small_tokenizer}",
     *[flag for flag in MICRO if flag.startswith("--config.data.")],
     "--direct_num_workers=2",
     "--direct_running_mode=multi_processing",
@@ -362,8 +361,7 @@ def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp
   """Shards from `python -m llama_jax.prepare` (2 Beam workers) read by 2 processes, each its rows of every global
   batch; one process resumes their step-3 checkpoint and continues with the losses of a run that was one process
   from the start (the iterator state is a batch count: the same for any process count)."""
-  shards = beam_shards
-  data = [f"--config.data.prepared_dir={shards}", "--config.train.save_every=3"]
+  data = [f"--config.data.prepared_dir={beam_shards}", "--config.train.save_every=3"]
   one, two = tmp_path / "one", tmp_path / "two"
   run_two_processes(two, small_tokenizer, 3, *data)
   assert sorted(os.listdir(two / "checkpoints")) == ["3"]
