@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
-from absl import flags
+from absl import app, flags
+from ml_collections import config_flags
 
 from llama_jax.core.checks import ConfigError, did_you_mean
 from llama_jax.core.errors import FlagError, exit_with_error
@@ -69,6 +71,47 @@ def parse_flags_or_exit(argv: list[str], known_only: bool = False) -> list[str]:
     else:
       what = " ".join(str(cause).split())
     exit_with_error(f"bad flag or config override {overrides or argv[1:]}: {what}")
+
+
+def define_config_flag(argv: list[str] | None, example: str) -> flags.FlagHolder:
+  """The ``--config`` flag of a command that takes a run config file, required, with its ``--config.x.y=v``
+  overrides read from `argv` (None: sys.argv) rather than always from sys.argv, so that main(argv) works in-process.
+
+  Args:
+    argv: the command line main was given, program name first, or None.
+    example: a config file to name in --help.
+
+  Returns:
+    The flag's handle; its value is the config with the overrides applied.
+  """
+  holder = config_flags.DEFINE_config_file("config", None, f"run config file, e.g. {example}", sys_argv=argv)
+  flags.mark_flags_as_required(["config"])
+  return holder
+
+
+def run_absl_command(
+  run: Callable[[list[str]], Any], argv: list[str] | None, defined: Iterable[Any], known_only: bool = False
+) -> None:
+  """``app.run(run, argv)`` with parse_flags_or_exit, then the command's flags forgotten: `defined` (its DEFINE_*
+  handles) and a config flag's ``--config.x.y`` overrides leave absl's global registry, which refuses a second
+  definition of a name, so that the command's main(argv) can run again in the same process (tests, notebooks).
+
+  Args:
+    run: the command's body, given the arguments absl left.
+    argv: the command line, program name first (None: sys.argv).
+    defined: the FlagHolders the command's main defined before this call.
+    known_only: leave flags absl does not know to `run` (``prepare`` hands them to Beam).
+
+  Raises:
+    SystemExit: always, as app.run does, with the command's exit status.
+  """
+  names = {holder.name for holder in defined}
+  try:
+    app.run(run, argv, flags_parser=lambda args: parse_flags_or_exit(args, known_only=known_only))
+  finally:
+    for name in list(flags.FLAGS):
+      if name.split(".", 1)[0] in names:
+        delattr(flags.FLAGS, name)
 
 
 def run_config_from_flag_or_exit(config_flag) -> RunConfig:

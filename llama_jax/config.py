@@ -7,9 +7,6 @@ config's (core/run_config.py), re-exported under the name config files have alwa
 
 from __future__ import annotations
 
-from absl import app, flags
-from ml_collections import config_flags
-
 from llama_jax import cli
 from llama_jax.core.run_config import base_run_config, load_run_config
 
@@ -17,8 +14,7 @@ __all__ = ["base_run_config", "load_run_config", "main"]
 
 
 def main(argv=None) -> None:
-  config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
-  flags.mark_flags_as_required(["config"])
+  config_flag = cli.define_config_flag(argv, "configs/tiny.py")
 
   def show(_):
     run_config = cli.run_config_from_flag_or_exit(config_flag)
@@ -27,7 +23,7 @@ def main(argv=None) -> None:
     print(f"model ({model.num_params():,} parameters, MLP width {model.hidden_dim}):")
     print(model.to_json())
 
-  app.run(show, argv, flags_parser=cli.parse_flags_or_exit)
+  cli.run_absl_command(show, argv, (config_flag,))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ import json
 import types
 
 import jax
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
 from llama_jax import cli
 from llama_jax.analysis import plan as train_plan
@@ -35,7 +34,7 @@ DECODE_ONLY = ("batch", "max_len", "prefill_len", "prefill_chunk", "dtype", "qua
 
 
 def main(argv=None) -> None:
-  config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tpu_v4.py")
+  config_flag = cli.define_config_flag(argv, "configs/tpu_v4.py")
   defined = dict(
     devices=flags.DEFINE_integer("devices", None, "simulated CPU devices (the chips or GPUs of the target)"),
     topology=flags.DEFINE_enum(
@@ -62,7 +61,6 @@ def main(argv=None) -> None:
     quantize=flags.DEFINE_string("quantize", "none", "--decode: none | int8 (weight-only)"),
     mesh=flags.DEFINE_string("mesh", None, "--decode: decode mesh, e.g. data=1,tensor=-1 (default: all tensor)"),
   )
-  flags.mark_flags_as_required(["config"])
 
   def run(_):
     given = types.SimpleNamespace(**{name: flag.value for name, flag in defined.items()})
@@ -76,7 +74,7 @@ def main(argv=None) -> None:
     run_config = cli.run_config_from_flag_or_exit(config_flag)
     run_or_exit(_plan_decoding if given.decode else _plan_training, given, run_config)
 
-  app.run(run, argv, flags_parser=cli.parse_flags_or_exit)
+  cli.run_absl_command(run, argv, (config_flag, *defined.values()))
 
 
 def _check_flags(given) -> None:

@@ -19,8 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
 from llama_jax import cli
 from llama_jax.core.errors import exit_with_error, run_or_exit
@@ -47,9 +46,9 @@ def _quiet_logging() -> None:
 
 
 def main(argv=None) -> None:
-  config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tpu_v4.py")
+  config_flag = cli.define_config_flag(argv, "configs/tpu_v4.py")
   out_flag = flags.DEFINE_string("out", None, "directory (local or gs://) to write the shards and index.json to")
-  flags.mark_flags_as_required(["config", "out"])
+  flags.mark_flags_as_required(["out"])
 
   def run(argv_left):
     _quiet_logging()
@@ -76,7 +75,7 @@ def main(argv=None) -> None:
       f"{out_flag.value}: {splits}{skipped}"
     )
 
-  app.run(run, argv, flags_parser=lambda args: cli.parse_flags_or_exit(args, known_only=True))
+  cli.run_absl_command(run, argv, (config_flag, out_flag), known_only=True)
 
 
 if __name__ == "__main__":

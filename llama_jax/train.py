@@ -12,8 +12,7 @@ import os
 from collections.abc import Sequence
 
 import jax
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
 from llama_jax import cli
 from llama_jax.core import distributed
@@ -24,7 +23,7 @@ from llama_jax.training.trainer import train
 
 def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
   """The command; `hooks` run after the run's own (tests observe a run this way)."""
-  config_flag = config_flags.DEFINE_config_file("config", None, "run config file, e.g. configs/tiny.py")
+  config_flag = cli.define_config_flag(argv, "configs/tiny.py")
   workdir_flag = flags.DEFINE_string(
     "workdir", None, "run directory (checkpoints, metrics, data); default runs/<config name>"
   )
@@ -36,7 +35,6 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
   )
   num_processes_flag = flags.DEFINE_integer("num_processes", None, "multi-process runs: the number of processes")
   process_id_flag = flags.DEFINE_integer("process_id", None, "multi-process runs: this process's index, from 0")
-  flags.mark_flags_as_required(["config"])
 
   def run(_):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -59,7 +57,8 @@ def main(argv=None, hooks: Sequence[Hook] = ()) -> None:
       )
       print(f"done: step {result['step']}, validation loss {val['loss']:.4f}, {detail} (workdir {workdir})")
 
-  app.run(run, argv, flags_parser=cli.parse_flags_or_exit)
+  defined = (config_flag, workdir_flag, coordinator_flag, num_processes_flag, process_id_flag)
+  cli.run_absl_command(run, argv, defined)
 
 
 if __name__ == "__main__":
