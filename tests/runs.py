@@ -5,6 +5,7 @@ errors, file digests)."""
 import hashlib
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -71,11 +72,21 @@ def run_main(main, args: list[str], capture, stdin: str = "") -> tuple[int, str,
   tests of what it prints or refuses rather than of its process. `capture`: pytest's capfd reads at the file
   descriptors, as a process's output would be read; capsys at sys.stdout and sys.stderr."""
   capture.readouterr()
+  # absl's app.run (train, plan, prepare, config) adds its handler to the root logger and the commands quiet library
+  # loggers: both are put back, so that later tests in this process log and print as before.
+  handlers = list(logging.root.handlers)
+  levels = {
+    name: logger.level for name, logger in logging.Logger.manager.loggerDict.items() if hasattr(logger, "level")
+  }
   with mock.patch.object(sys, "stdin", io.StringIO(stdin)):
     try:
       status = main(args)
     except SystemExit as e:
       status = e.code
+    finally:
+      logging.root.handlers[:] = handlers
+      for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
   out, err = capture.readouterr()
   return status, out, err
 
@@ -85,6 +96,17 @@ def main_output(main, args: list[str], capture, stdin: str = "") -> str:
   status, out, err = run_main(main, args, capture, stdin)
   assert status == 0, err[-3000:]
   return out
+
+
+def train_in_process(capture, workdir, tokenizer, *extra) -> subprocess.CompletedProcess:
+  """The micro training command through `llama_jax.train.main` in this process, for tests of what it refuses or
+  prints rather than of its process: its exit status and output as run_train's result has them (`capture`: capfd)."""
+  from llama_jax import train
+
+  args = ["train", *train_args(workdir, tokenizer, *extra)[3:]]
+  args[args.index("--config") + 1] = os.path.join(ROOT, "configs", "tiny.py")
+  status, out, err = run_main(train.main, args, capture)
+  return subprocess.CompletedProcess(args, 0 if status is None else status, out, err)
 
 
 def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):

@@ -3,16 +3,16 @@ before anything is written; typos in config files and overrides name the closest
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from llama_jax import train
 from llama_jax.core import run_config as run_config_lib
 from llama_jax.core.checks import ConfigError
 from llama_jax.core.run_config import RunConfig, run_config_from
 from tests.conftest import ROOT
+from tests.runs import run_main
 
 TINY = "configs/tiny.py"
 # (config file, overrides, the error line's fragment). tiny.py: steps 2000, save_every 500, max_seq_len 256,
@@ -114,8 +114,8 @@ CONFIG_FILES = {
 
 
 @pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory):
-  """Every bad config through `python -m llama_jax.train`, all processes at once (each is mostly import time)."""
+def config_files(tmp_path_factory):
+  """CONFIG_FILES written once into a directory."""
   base = tmp_path_factory.mktemp("bad_configs")
   for name, line in CONFIG_FILES.items():
     # An unlocked ConfigDict accepts the new key or value; the typed RunConfig built from it refuses it.
@@ -130,34 +130,22 @@ def bad_runs(tmp_path_factory):
           return cfg
         """)
     )
-  processes = {}
-  for case, (config, overrides, _) in BAD_RUN_CONFIGS.items():
-    path = config if config.startswith("configs/") else str(base / config)
-    workdir = base / "workdirs" / case
-    processes[case] = (
-      workdir,
-      subprocess.Popen(
-        [sys.executable, "-m", "llama_jax.train", "--config", path, "--workdir", str(workdir), *overrides],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-      ),
-    )
-  results = {}
-  for case, (workdir, process) in processes.items():
-    stdout, stderr = process.communicate(timeout=300)
-    results[case] = (process.returncode, stdout, stderr, workdir)
-  return results
+  return base
 
 
 @pytest.mark.parametrize("case", BAD_RUN_CONFIGS)
-def test_bad_run_config_is_one_line_exit_2_and_nothing_is_written(bad_runs, case):
-  returncode, stdout, stderr, workdir = bad_runs[case]
+def test_bad_run_config_is_one_line_exit_2_and_nothing_is_written(config_files, case, tmp_path, capfd):
+  """Each bad config through the train command's main in this process (its checks, not its process, are tested)."""
+  config, overrides, message = BAD_RUN_CONFIGS[case]
+  path = os.path.join(ROOT, config) if config.startswith("configs/") else str(config_files / config)
+  workdir = tmp_path / "workdir"
+  returncode, stdout, stderr = run_main(
+    train.main, ["train", "--config", path, "--workdir", str(workdir), *overrides], capfd
+  )
   lines = stderr.strip().splitlines()
   assert returncode == 2, (returncode, stdout[-2000:], stderr[-2000:])
   assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
-  assert BAD_RUN_CONFIGS[case][2] in lines[0], lines[0]
+  assert message in lines[0], lines[0]
   assert not workdir.exists()
 
 

@@ -19,7 +19,7 @@ from llama_jax.data.sources import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from tests import gcs_emulator
 from tests.conftest import META_TOKENIZER, ROOT, needs_shakespeare
-from tests.runs import assert_one_line_error, run_train
+from tests.runs import assert_one_line_error, run_train, train_in_process
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -217,13 +217,13 @@ def test_with_on_error_skip_bad_records_and_damaged_files_are_skipped_and_counte
 
 
 @needs_shakespeare
-def test_a_training_run_skips_a_damaged_file_by_default_and_says_so(tmp_path, small_tokenizer):
+def test_a_training_run_skips_a_damaged_file_by_default_and_says_so(tmp_path, small_tokenizer, capfd):
   damaged, message = damaged_files(tmp_path / "bad")[0]
   sources = f"--config.data.sources=('shakespeare:sonnets', '{damaged}')"
   result = run_train(tmp_path / "run", small_tokenizer, sources, "--config.train.steps=2")
   first = result.stdout.splitlines()[0]
   assert f"skipped 1 bad documents or damaged files, the first: {message}" in first, first
-  stopped = run_train(tmp_path / "stop", small_tokenizer, sources, "--config.data.on_error=stop", check=False)
+  stopped = train_in_process(capfd, tmp_path / "stop", small_tokenizer, sources, "--config.data.on_error=stop")
   assert_one_line_error(stopped, message)
 
 

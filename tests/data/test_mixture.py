@@ -13,7 +13,7 @@ from llama_jax.data import text
 from llama_jax.data.sources import DataError
 from llama_jax.data.tokenizer import Tokenizer
 from tests.conftest import META_TOKENIZER, needs_shakespeare
-from tests.runs import assert_one_line_error, run_train
+from tests.runs import assert_one_line_error, run_train, train_in_process
 
 WORDS = ("apple banana cherry", "river stone valley", "cloud thunder storm")
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -99,13 +99,11 @@ def test_weights_normalise_and_json_lists_read_as_tuples():
 
 
 @needs_shakespeare
-def test_a_micro_run_trains_on_a_mixture_given_on_the_command_line(tmp_path, small_tokenizer):
-  def run(workdir, sources, check=True):
-    return run_train(workdir, small_tokenizer, sources, check=check)
-
-  result = run(tmp_path / "run", "--config.data.sources=(('shakespeare:sonnets', 0.8), ('shakespeare:tempest', 0.2))")
+def test_a_micro_run_trains_on_a_mixture_given_on_the_command_line(tmp_path, small_tokenizer, capfd):
+  mixture = "--config.data.sources=(('shakespeare:sonnets', 0.8), ('shakespeare:tempest', 0.2))"
+  result = run_train(tmp_path / "run", small_tokenizer, mixture)
   assert "(mixture by windows: shakespeare:sonnets" in result.stdout and "× 0.8" in result.stdout, result.stdout
   assert_one_line_error(
-    run(tmp_path / "bad", "--config.data.sources=(('shakespeare', 0),)", check=False),
+    train_in_process(capfd, tmp_path / "bad", small_tokenizer, "--config.data.sources=(('shakespeare', 0),)"),
     "a weighted source is (spec, weight > 0)",
   )

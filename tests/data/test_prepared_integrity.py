@@ -17,7 +17,7 @@ from llama_jax.data import sources as sources_lib
 from llama_jax.data.tokenizer import Tokenizer
 from tests.conftest import needs_shakespeare
 from tests.data.test_text import corpus, write
-from tests.runs import assert_one_line_error, run_train
+from tests.runs import assert_one_line_error, train_in_process
 
 pytestmark = needs_shakespeare
 
@@ -196,7 +196,7 @@ def test_chat_rows_are_checked_like_text_shards(tmp_path, tok):
   ids=["cut", "changed_bytes_with_verify"],
 )
 def test_train_cli_stops_with_one_line_naming_the_damaged_shard(
-  prepared, small_tokenizer, tmp_path, spoil, verify, hint
+  prepared, small_tokenizer, tmp_path, spoil, verify, hint, capfd
 ):
   sources, out, meta = prepared
   path = os.path.join(out, "train.bin")
@@ -206,12 +206,12 @@ def test_train_cli_stops_with_one_line_naming_the_damaged_shard(
   else:
     spoil(path)
   shutil.rmtree(sources)
-  result = run_train(
+  result = train_in_process(
+    capfd,
     tmp_path / "run",
     small_tokenizer,
     f"--config.data.sources=('{sources}',)",
     f"--config.data.prepared_dir={out}",
     f"--config.data.verify={verify}",
-    check=False,
   )
   assert_one_line_error(result, path, hint, "cannot be prepared again")

@@ -22,7 +22,14 @@ from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from tests import gcs_emulator
 from tests.conftest import ROOT, needs_shakespeare
-from tests.runs import assert_bit_identical, assert_one_line_error, assert_same_batches, final_checkpoint, run_train
+from tests.runs import (
+  assert_bit_identical,
+  assert_one_line_error,
+  assert_same_batches,
+  final_checkpoint,
+  run_train,
+  train_in_process,
+)
 
 
 def _jsonl_corpus(directory, files: int, docs: int) -> list[str]:
@@ -189,7 +196,7 @@ STREAMING = [
 
 
 @needs_shakespeare
-def test_a_killed_streaming_run_resumes_bit_for_bit(tmp_path, small_tokenizer):
+def test_a_killed_streaming_run_resumes_bit_for_bit(tmp_path, small_tokenizer, capfd):
   """SIGKILL while step 8's checkpoint is being saved, rerun: the same batches (batches.jsonl) and the same final
   checkpoint, bit for bit, as the run that was never stopped; both read through 2 grain worker processes."""
   straight = tmp_path / "straight"
@@ -201,11 +208,11 @@ def test_a_killed_streaming_run_resumes_bit_for_bit(tmp_path, small_tokenizer):
   assert "steps 4 → 12" in resumed.stdout and "streaming 2 files with 2 workers" in resumed.stdout, resumed.stdout
   assert_same_batches(killed, straight)
   assert_bit_identical(final_checkpoint(straight, 12), final_checkpoint(killed, 12))
-  other = run_train(
-    killed, small_tokenizer, *STREAMING, "--config.data.workers=1", "--config.train.steps=16", check=False
+  other = train_in_process(
+    capfd, killed, small_tokenizer, *STREAMING, "--config.data.workers=1", "--config.train.steps=16"
   )
   assert_one_line_error(other, "data.workers=2", "data.workers=1")
-  no_tokenizer = run_train(tmp_path / "new", "", *STREAMING, check=False)
+  no_tokenizer = train_in_process(capfd, tmp_path / "new", "", *STREAMING)
   assert_one_line_error(no_tokenizer, "data.streaming needs a tokenizer")
 
 

@@ -14,7 +14,7 @@ import pytest
 from llama_jax.checkpoint import records
 from llama_jax.core import paths
 from tests.conftest import needs_shakespeare
-from tests.runs import assert_one_line_error, read_jsonl, run_train
+from tests.runs import assert_one_line_error, read_jsonl, run_train, train_in_process
 
 pytestmark = needs_shakespeare
 SUBJECTS = "sea moon king night love death sword crown storm rose ghost wine".split()
@@ -92,8 +92,8 @@ def test_dpo_starts_at_log_2_and_raises_held_out_reward_accuracy(base_and_pairs,
   assert record["base"] == str(base) and record["base_step"] == 12, result.stdout
 
 
-def test_a_preference_run_needs_a_model_to_tune(base_and_pairs, tmp_path, small_tokenizer):
+def test_a_preference_run_needs_a_model_to_tune(base_and_pairs, tmp_path, small_tokenizer, capfd):
   _, pairs = base_and_pairs
   args = [a for a in dpo_args("x", pairs) if not a.startswith("--config.init_from")]
-  result = run_train(tmp_path / "no_init", small_tokenizer, *args, check=False)
+  result = train_in_process(capfd, tmp_path / "no_init", small_tokenizer, *args)
   assert_one_line_error(result, "data.format='preference' (DPO) tunes a trained model", "set init_from")

@@ -37,6 +37,7 @@ from tests.runs import (
   read_jsonl,
   run_module,
   run_train,
+  train_in_process,
 )
 
 pytestmark = needs_shakespeare
@@ -144,21 +145,21 @@ def test_every_reader_sees_the_merged_model_and_exports_agree_with_peft(runs, tm
   np.testing.assert_allclose(np.asarray(ours(tokens.numpy())), want, atol=1e-5)
 
 
-def test_lora_needs_a_base_and_a_resume_keeps_its_settings(runs, tmp_path, small_tokenizer):
+def test_lora_needs_a_base_and_a_resume_keeps_its_settings(runs, tmp_path, small_tokenizer, capfd):
   base, straight, _ = runs
-  no_base = run_train(tmp_path / "no_base", small_tokenizer, *LORA, check=False)
+  no_base = train_in_process(capfd, tmp_path / "no_base", small_tokenizer, *LORA)
   assert_one_line_error(no_base, "train.lora.rank 4 adapts a trained model: set init_from")
-  too_big = run_train(
-    tmp_path / "big", small_tokenizer, f"--config.init_from={base}", "--config.train.lora.rank=33", check=False
+  too_big = train_in_process(
+    capfd, tmp_path / "big", small_tokenizer, f"--config.init_from={base}", "--config.train.lora.rank=33"
   )
   assert_one_line_error(too_big, "train.lora.rank must be in [1, model.dim=32]")
   copy = tmp_path / "copy"
   shutil.copytree(straight, copy)
-  changed = run_train(copy, small_tokenizer, f"--config.init_from={base}", "--config.train.lora.rank=8", check=False)
+  changed = train_in_process(capfd, copy, small_tokenizer, f"--config.init_from={base}", "--config.train.lora.rank=8")
   assert_one_line_error(changed, "holds adapters of rank 4", "use a new --workdir")
 
 
-def test_a_changed_base_is_refused_by_every_reader(runs, tmp_path, small_tokenizer):
+def test_a_changed_base_is_refused_by_every_reader(runs, tmp_path, small_tokenizer, capfd):
   base, straight, _ = runs
   moved_base, workdir = tmp_path / "base", tmp_path / "lora"
   shutil.copytree(base, moved_base)
@@ -178,6 +179,6 @@ def test_a_changed_base_is_refused_by_every_reader(runs, tmp_path, small_tokeniz
   ):
     with pytest.raises(records.LoraError, match="adapts step 4 of .* whose files have changed since"):
       read()
-  resumed = run_train(workdir, small_tokenizer, f"--config.init_from={moved_base}", *LORA, check=False)
+  resumed = train_in_process(capfd, workdir, small_tokenizer, f"--config.init_from={moved_base}", *LORA)
   assert_one_line_error(resumed, "adapts step 4 of", "whose files have changed since")
   assert not os.path.exists(tmp_path / "m") and not os.path.exists(tmp_path / "p")

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.runs import run_module, run_train
+from tests.runs import run_module, run_train, train_in_process
 from tests.training.test_multiprocess import tensorboard_scalars
 
 MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.top_k=2", "--config.model.moe.z_loss_weight=0.001"]
@@ -50,7 +50,7 @@ def test_evaluate_and_sample_run_the_moe_checkpoint(moe_run):
   assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
 
 
-def test_moe_every_second_block_trains_and_a_changed_every_is_refused(tmp_path, small_tokenizer):
+def test_moe_every_second_block_trains_and_a_changed_every_is_refused(tmp_path, small_tokenizer, capfd):
   """moe.every=2 over 4 layers: the loads are logged for blocks 1 and 3 (named by block, not by MoE row), the loss
   falls; resuming the workdir with moe.every=1 (a different parameter tree) is refused in one line."""
   workdir = tmp_path / "run"
@@ -64,6 +64,6 @@ def test_moe_every_second_block_trains_and_a_changed_every_is_refused(tmp_path, 
     assert layers == {1, 3}
     for layer in layers:
       assert sum(record[f"moe_load/{layer}/{e}"] for e in range(4)) == pytest.approx(1.0, rel=1e-5)
-  result = run_train(workdir, small_tokenizer, *every[:-1], "--config.model.moe.every=1", check=False)
+  result = train_in_process(capfd, workdir, small_tokenizer, *every[:-1], "--config.model.moe.every=1")
   assert result.returncode == 2, result.stderr[-2000:]
   assert "moe.every" in result.stderr.strip().splitlines()[-1]

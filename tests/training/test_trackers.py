@@ -10,7 +10,7 @@ import mlflow.tracking as mlflow_tracking  # the references (the test extra inst
 
 from tests import wandb_offline
 from tests.conftest import needs_shakespeare
-from tests.runs import assert_one_line_error, read_jsonl, run_train, run_train_patched
+from tests.runs import assert_one_line_error, read_jsonl, run_train, run_train_patched, train_in_process
 
 pytestmark = needs_shakespeare
 
@@ -97,10 +97,10 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written(
   assert not workdir.exists()
 
 
-def test_unknown_and_repeated_trackers_are_refused_by_name(tmp_path, small_tokenizer):
-  result = run_train(tmp_path / "a", small_tokenizer, "--config.train.trackers=('tensorbord',)", check=False)
+def test_unknown_and_repeated_trackers_are_refused_by_name(tmp_path, small_tokenizer, capfd):
+  result = train_in_process(capfd, tmp_path / "a", small_tokenizer, "--config.train.trackers=('tensorbord',)")
   assert_one_line_error(result, "train.trackers", "tensorbord", "tensorboard, wandb, mlflow")
-  result = run_train(tmp_path / "b", small_tokenizer, "--config.train.trackers=('wandb','wandb')", check=False)
+  result = train_in_process(capfd, tmp_path / "b", small_tokenizer, "--config.train.trackers=('wandb','wandb')")
   assert_one_line_error(result, "train.trackers names a tracker twice")
 
 

@@ -24,8 +24,10 @@ from tests.runs import (
   file_digests,
   final_checkpoint,
   read_jsonl,
+  run_main,
   run_train,
   train_args,
+  train_in_process,
 )
 
 pytestmark = needs_shakespeare
@@ -286,10 +288,10 @@ def test_evaluate_data_takes_files_directories_globs_and_jsonl(straight_runs, tm
   assert len(set(lines.values())) == 1, lines
 
 
-def test_incompatible_workdir_is_refused_and_left_untouched(straight_runs, small_tokenizer):
+def test_incompatible_workdir_is_refused_and_left_untouched(straight_runs, small_tokenizer, capfd):
   workdir = straight_runs(1)
   before = file_digests(workdir)
-  result = run_train(workdir, small_tokenizer, "--config.model.dim=64", check=False)
+  result = train_in_process(capfd, workdir, small_tokenizer, "--config.model.dim=64")
   assert_one_line_error(result, "different model", "dim 32 → 64")
   assert file_digests(workdir) == before
 
@@ -318,40 +320,25 @@ def test_keep_and_keep_every_decide_which_checkpoints_stay(tmp_path, small_token
     ("--config.train.hidden=3", ["unknown config key 'hidden'"]),
   ],
 )
-def test_bad_input_is_one_line_exit_2(tmp_path, small_tokenizer, override, fragments):
-  assert_one_line_error(run_train(tmp_path / "w", small_tokenizer, *override.split(), check=False), *fragments)
+def test_bad_input_is_one_line_exit_2(tmp_path, small_tokenizer, override, fragments, capfd):
+  assert_one_line_error(train_in_process(capfd, tmp_path / "w", small_tokenizer, *override.split()), *fragments)
 
 
-def test_empty_source_and_oversized_vocab(tmp_path):
+def test_empty_source_and_oversized_vocab(tmp_path, capfd):
+  from llama_jax import train
+
   empty = tmp_path / "empty.txt"
   empty.write_text("\n\n")
-  args = [
-    sys.executable,
-    "-m",
-    "llama_jax.train",
-    "--config",
-    "configs/tiny.py",
-    "--workdir",
-    str(tmp_path / "w"),
-    *[a for a in MICRO if "sources=" not in a],
-  ]
-  result = subprocess.run(
-    args + [f"--config.data.sources=('{empty}',)", "--config.data.val_sources=()"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
+  args = ["train", "--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(tmp_path / "w")]
+  args += [a for a in MICRO if "sources=" not in a]
+  result = subprocess.CompletedProcess(
+    args, *run_main(train.main, args + [f"--config.data.sources=('{empty}',)", "--config.data.val_sources=()"], capfd)
   )
   assert_one_line_error(result, f"the training sources ['{empty}'] contain no text")
   small = tmp_path / "small.txt"
   small.write_text("a few words only, repeated. " * 20)
-  result = subprocess.run(
-    args + [f"--config.data.sources=('{small}',)", "--config.data.val_sources=()", "--config.data.vocab_size=5000"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  oversized = [f"--config.data.sources=('{small}',)", "--config.data.val_sources=()", "--config.data.vocab_size=5000"]
+  result = subprocess.CompletedProcess(args, *run_main(train.main, args + oversized, capfd))
   assert_one_line_error(result, "vocab_size 5000 is larger than this corpus supports")
 
 
