@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from llama_jax.core.model_config import ModelConfig
+from tests import XLA_TEST_FLAGS
 from tests.analysis.tpu_compile_cases import (
   CASES,
   CONTEXT_MODEL,
@@ -31,11 +32,13 @@ pytestmark = pytest.mark.skipif(not HAVE_LIBTPU, reason='needs libtpu: pip insta
 
 def tpu_compiler_json(out, module: str, *args: str, timeout: int) -> dict:
   """`python -m module *args` in a subprocess with libtpu allowed beside other processes' (compiling only), and the
-  JSON it writes to `out`."""
+  JSON it writes to `out`. XLA_FLAGS without the suite's XLA_TEST_FLAGS: the TPU compiler gets the options a user's
+  compile has."""
+  xla_flags = os.environ.get("XLA_FLAGS", "").replace(XLA_TEST_FLAGS, "").strip()
   result = subprocess.run(
     [sys.executable, "-m", module, *args],
     cwd=ROOT,
-    env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu"),
+    env=dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags),
     capture_output=True,
     text=True,
     timeout=timeout,
@@ -317,22 +320,29 @@ def small_decode_plan(out, *flags: str) -> dict:
   return plan
 
 
-def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(tmp_path):
+@pytest.fixture(scope="module")
+def prefill_plans(tmp_path_factory) -> dict[int, dict]:
+  """`plan --decode` of 8 rows × 2,048 prompt tokens, whole (0) and in chunks of 256 tokens: {chunk: plan}."""
+  out = tmp_path_factory.mktemp("decode_plans")
+  plans = {}
+  for chunk in (0, 256):
+    plans[chunk] = small_decode_plan(out / f"{chunk}.json", "--prefill_len", "2048", "--prefill_chunk", str(chunk))
+    assert plans[chunk]["prefill_chunk"] == chunk
+  return plans
+
+
+def test_decode_loop_on_tpu_keeps_the_kv_cache_in_place(prefill_plans):
   """The sampler's decode loop compiled by the TPU compiler (one v5p chip, head_dim 128): its temporaries are a
   small fraction of the KV cache (7 MiB for a 64 MiB cache). With a row-major cache the compiler copied the cache
   into its slot-major order at loop entry and back at exit (39 MiB here; 17 GiB for a 16 GiB 7B cache);
-  sample.SLOT_MAJOR stores it that way."""
-  plan = small_decode_plan(tmp_path / "decode.json", "--prefill_len", "0")
-  assert plan["decode"]["temp_bytes"] < 0.25 * plan["cache_bytes"], plan
+  sample.SLOT_MAJOR stores it that way. (The decode loop is the same program whatever the prompt's prefill.)"""
+  for plan in prefill_plans.values():
+    assert plan["decode"]["temp_bytes"] < 0.25 * plan["cache_bytes"], plan
 
 
-def test_chunked_prefill_on_tpu_needs_a_fraction_of_the_whole_prompt_s_temporaries(tmp_path):
+def test_chunked_prefill_on_tpu_needs_a_fraction_of_the_whole_prompt_s_temporaries(prefill_plans):
   """The sampler's prefill of 8 rows × 2,048 tokens compiled by the TPU compiler (one v5p chip), whole and in chunks of
   256 tokens: the chunked program's temporaries (attention scores [chunk × cache] instead of [prompt × cache]) are
   under half the whole prompt's (measured: 116 MiB against 310 MiB)."""
-  temp = {}
-  for chunk in (0, 256):
-    plan = small_decode_plan(tmp_path / f"{chunk}.json", "--prefill_len", "2048", "--prefill_chunk", str(chunk))
-    assert plan["prefill_chunk"] == chunk
-    temp[chunk] = plan["prefill"]["temp_bytes"]
+  temp = {chunk: plan["prefill"]["temp_bytes"] for chunk, plan in prefill_plans.items()}
   assert temp[256] < temp[0] / 2, temp

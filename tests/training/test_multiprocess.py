@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import XLA_TEST_FLAGS
 from tests.conftest import ROOT, needs_shakespeare, require_beam
 from tests.runs import MICRO, assert_bit_identical, read_jsonl, run_module, train_args
 
@@ -34,7 +35,7 @@ def train_command(workdir, tokenizer, steps, *extra):
 
 def env_with_devices(n: int) -> dict:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-  return dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+  return dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n} {XLA_TEST_FLAGS}")
 
 
 def run_one_process(workdir, tokenizer, steps, *extra):
@@ -236,18 +237,6 @@ def test_joining_a_job_whose_other_processes_never_come_ends_after_the_timeout(t
       assert "DEADLINE_EXCEEDED" in result.stderr, result.stderr[-3000:]
 
 
-def test_a_killed_process_ends_the_other_with_an_error_after_the_heartbeat_timeout(tmp_path, small_tokenizer):
-  """SIGKILL to process 1 mid-training: process 0, waiting for it in the next step's all-reduce, does not hang but
-  exits with JAX's error naming the missed heartbeats (its timeout: 5 s here). A hang would end in the watchdog's
-  SIGKILL instead of JAX's SIGABRT."""
-  procs = start_two_processes(tmp_path / "run", small_tokenizer, 100_000, env={"LLAMA_JAX_HEARTBEAT_TIMEOUT_S": "5"})
-  _, outputs = signal_process_1_after_step_3(procs, signal.SIGKILL)
-  assert procs[1].returncode == -signal.SIGKILL
-  assert procs[0].returncode == -signal.SIGABRT, outputs[0][1][-3000:]
-  assert "This most likely indicates that another task died" in outputs[0][1], outputs[0][1][-3000:]
-  assert "stopped sending heartbeats" in outputs[0][1]
-
-
 def test_two_processes_decode_one_mesh_like_one_process(tmp_path, small_tokenizer):
   """`sample` run as the same command in two processes (4 devices each) decodes on one tensor=8 mesh across both,
   and prints what one process with 8 devices prints; only process 0 prints."""
@@ -373,9 +362,11 @@ def test_two_processes_on_beam_prepared_shards_resume_as_one_process_exactly(tmp
 
 @pytest.mark.parametrize("mode", ["beam shards", "streaming"])
 def test_a_sigkilled_two_process_run_reruns_bit_identical(tmp_path, small_tokenizer, mode, request):
-  """SIGKILL to process 1 of 2 training on Beam-prepared shards or streaming (process 0 then ends at the heartbeat
-  timeout); a 2-process rerun resumes from the last checkpoint both committed and ends bit-identical to a run never
-  stopped: the shards' state is one batch count, the streams' state every process's position."""
+  """SIGKILL to process 1 of 2 training on Beam-prepared shards or streaming: process 0, waiting for it in the next
+  step's all-reduce, does not hang but exits with JAX's error naming the missed heartbeats (its timeout: 5 s here; a
+  hang would end in the watchdog's SIGKILL instead of JAX's SIGABRT). A 2-process rerun resumes from the last
+  checkpoint both committed and ends bit-identical to a run never stopped: the shards' state is one batch count, the
+  streams' state every process's position."""
   if mode == "streaming":
     data = [*STREAMING[:2], "--config.train.save_every=2", *CONSTANT_LR]
   else:
@@ -383,8 +374,11 @@ def test_a_sigkilled_two_process_run_reruns_bit_identical(tmp_path, small_tokeni
     data += CONSTANT_LR
   killed, straight = tmp_path / "killed", tmp_path / "straight"
   procs = start_two_processes(killed, small_tokenizer, 100_000, *data, env={"LLAMA_JAX_HEARTBEAT_TIMEOUT_S": "5"})
-  signal_process_1_after_step_3(procs, signal.SIGKILL, committed=killed / "checkpoints" / "2")
+  _, outputs = signal_process_1_after_step_3(procs, signal.SIGKILL, committed=killed / "checkpoints" / "2")
   assert procs[1].returncode == -signal.SIGKILL
+  assert procs[0].returncode == -signal.SIGABRT, outputs[0][1][-3000:]
+  assert "This most likely indicates that another task died" in outputs[0][1], outputs[0][1][-3000:]
+  assert "stopped sending heartbeats" in outputs[0][1]
   saved = max(int(d) for d in os.listdir(killed / "checkpoints") if d.isdigit())
   (out0, _), _ = run_two_processes(killed, small_tokenizer, saved + 2, *data)
   assert f"steps {saved} → {saved + 2}" in out0, out0
