@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 from unittest import mock
 
 import jax
@@ -98,15 +99,21 @@ def main_output(main, args: list[str], capture, stdin: str = "") -> str:
   return out
 
 
-def train_in_process(capture, workdir, tokenizer, *extra) -> subprocess.CompletedProcess:
+def main_result(main, args: list[str], capture) -> types.SimpleNamespace:
+  """run_main's exit status and output as a process's result has them (returncode, stdout, stderr), for checks
+  written for one (assert_one_line_error). Not subprocess's own type: tests/tiers.py marks what reaches subprocess."""
+  status, out, err = run_main(main, args, capture)
+  return types.SimpleNamespace(returncode=0 if status is None else status, stdout=out, stderr=err)
+
+
+def train_in_process(capture, workdir, tokenizer, *extra) -> types.SimpleNamespace:
   """The micro training command through `llama_jax.train.main` in this process, for tests of what it refuses or
   prints rather than of its process: its exit status and output as run_train's result has them (`capture`: capfd)."""
   from llama_jax import train
 
   args = ["train", *train_args(workdir, tokenizer, *extra)[3:]]
   args[args.index("--config") + 1] = os.path.join(ROOT, "configs", "tiny.py")
-  status, out, err = run_main(train.main, args, capture)
-  return subprocess.CompletedProcess(args, 0 if status is None else status, out, err)
+  return main_result(train.main, args, capture)
 
 
 def run_train(workdir, tokenizer, *extra, env=None, check=True, module=("llama_jax.train",)):

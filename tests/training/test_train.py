@@ -23,8 +23,8 @@ from tests.runs import (
   assert_same_batches,
   file_digests,
   final_checkpoint,
+  main_result,
   read_jsonl,
-  run_main,
   run_train,
   train_args,
   train_in_process,
@@ -331,14 +331,13 @@ def test_empty_source_and_oversized_vocab(tmp_path, capfd):
   empty.write_text("\n\n")
   args = ["train", "--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(tmp_path / "w")]
   args += [a for a in MICRO if "sources=" not in a]
-  result = subprocess.CompletedProcess(
-    args, *run_main(train.main, args + [f"--config.data.sources=('{empty}',)", "--config.data.val_sources=()"], capfd)
-  )
+  empty_sources = [f"--config.data.sources=('{empty}',)", "--config.data.val_sources=()"]
+  result = main_result(train.main, args + empty_sources, capfd)
   assert_one_line_error(result, f"the training sources ['{empty}'] contain no text")
   small = tmp_path / "small.txt"
   small.write_text("a few words only, repeated. " * 20)
   oversized = [f"--config.data.sources=('{small}',)", "--config.data.val_sources=()", "--config.data.vocab_size=5000"]
-  result = subprocess.CompletedProcess(args, *run_main(train.main, args + oversized, capfd))
+  result = main_result(train.main, args + oversized, capfd)
   assert_one_line_error(result, "vocab_size 5000 is larger than this corpus supports")
 
 
