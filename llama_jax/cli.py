@@ -2,10 +2,11 @@
 status 2, the checked run config of a ``--config`` file, and the flags of the commands that load a model for decoding.
 Not a command itself: the commands beside it import it.
 
-Two parsers, one rule. Commands that take a run config file (``train``, ``plan``, ``config``) use absl flags with
-ml_collections' ``config_flags``: the only parser that applies ``--config.train.lr=1e-3`` overrides to a Python config
-file. The others (``sample``, ``evaluate``, ``convert``, ``tokenizer``) use ``argparse`` through ``ArgumentParser``
-below: no global flag registry, so tests call their ``main(argv)`` in-process. Both report a bad flag as one line.
+Two parsers, one rule. Commands that take a run config file (``train``, ``plan``, ``prepare``, ``config``) use absl
+flags with ml_collections' ``config_flags``: the only parser that applies ``--config.train.lr=1e-3`` overrides to a
+Python config file; ``run_absl_command`` forgets their flags after each run, so their ``main(argv)`` can run again
+in one process. The others (``sample``, ``evaluate``, ``convert``, ``tokenizer``) use ``argparse`` through
+``ArgumentParser`` below, which has no global flag registry. Both report a bad flag as one line.
 """
 
 from __future__ import annotations
