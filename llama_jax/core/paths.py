@@ -23,9 +23,14 @@ file there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
+from typing import IO
 
 from etils import epath
 
@@ -111,13 +116,10 @@ def local_file(file: str) -> str:
     return file
   local = os.path.join(local_dir(os.path.dirname(file), "files"), os.path.basename(file))
   os.makedirs(os.path.dirname(local), exist_ok=True)
-  # Under a name of this process's, then renamed: processes reading one gs:// run at once (sample, evaluate, viz,
-  # a server) share this cache, and a copy rewritten in place was read half written ("not a sentencepiece model",
-  # a CI run of tests/checkpoint/test_gcs_workdir.py).
-  partial = f"{local}.{os.getpid()}.partial"
-  with open(partial, "wb") as f:
+  # Processes reading one gs:// run at once (sample, evaluate, viz, a server) share this cache: a copy rewritten in
+  # place was read half written ("not a sentencepiece model").
+  with atomic_write(local, "wb") as f:
     f.write(epath.Path(file).read_bytes())
-  os.replace(partial, local)
   return local
 
 
@@ -144,9 +146,55 @@ def append_line(file: str, line: str) -> None:
     f.write(line + "\n")
 
 
-def write_atomically(file: epath.Path, content: bytes | str) -> None:
-  """Writes `file` whole under a temporary name, then renames it: a reader never sees half a file."""
-  file = epath.Path(file)
-  tmp = file.parent / (file.name + ".tmp")
-  tmp.write_bytes(content.encode() if isinstance(content, str) else content)
-  tmp.replace(file)
+def write_atomically(file: str | os.PathLike, content: bytes | str) -> None:
+  """Writes `content` (text as UTF-8) to `file` whole, local or remote, through `atomic_write`.
+
+  Args:
+    file: the path to write.
+    content: the file's whole content.
+  """
+  with atomic_write(file, "wb") as f:
+    f.write(content.encode() if isinstance(content, str) else content)
+
+
+@contextlib.contextmanager
+def atomic_write(file: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+  """Opens `file` for writing so that readers see the old file or the whole new one, never part of it.
+
+  A local file is written under a temporary name in its directory, unique to this process and call, then flushed to
+  disk and renamed over `file`. A remote one (gs://) is written to a local temporary file and uploaded when the block
+  ends: an object store creates an object only once its upload completes. Either way, an exception in the block
+  leaves `file` as it was and removes the temporary file.
+
+  Args:
+    file: the path to write, local or remote.
+    mode: "w" (text, UTF-8) or "wb".
+
+  Yields:
+    The open file to write to.
+
+  Raises:
+    ValueError: for a mode other than "w" and "wb".
+    OSError: when the file cannot be written or renamed.
+  """
+  if mode not in ("w", "wb"):
+    raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
+  target = str(file)
+  remote = is_remote(target)
+  directory = tempfile.gettempdir() if remote else os.path.dirname(os.path.abspath(target))
+  # A hidden name beside the target (the rename stays on one file system), unique to this process and call: two
+  # processes or threads writing the same file never share a temporary one.
+  tmp = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+  try:
+    with open(tmp, mode, encoding="utf-8" if mode == "w" else None) as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    if remote:
+      with open(tmp, "rb") as source, epath.Path(target).open("wb") as destination:
+        shutil.copyfileobj(source, destination)
+    else:
+      os.replace(tmp, target)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)

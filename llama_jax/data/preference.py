@@ -33,6 +33,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from llama_jax.core import paths
 from llama_jax.data import chat_template, sft
 from llama_jax.data.batches import train_batches
 from llama_jax.data.prepared import PackedRows, cannot_prepare, prepare_rows
@@ -316,8 +317,7 @@ def write_pairs_jsonl(chat_sources: Sequence[str], out: str, *, seed: int = 0, c
   """Writes `build_pairs` records to a JSONL file (one pair per line); returns the number of pairs."""
   records = build_pairs(chat_sources, seed=seed, context=context)
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out + ".tmp", "w", encoding="utf-8") as f:
+  with paths.atomic_write(out) as f:
     for record in records:
       f.write(json.dumps(record, ensure_ascii=False) + "\n")
-  os.replace(out + ".tmp", out)
   return len(records)

@@ -78,9 +78,8 @@ def cannot_prepare(out_dir: str, error: DataError, verify: bool = False) -> Data
 
 def write_meta(out_dir: str, meta: dict[str, Any]) -> None:
   path = os.path.join(out_dir, "meta.json")
-  with open(path + ".tmp", "w") as f:
+  with paths.atomic_write(path) as f:  # written last: a crash before it ends means "not prepared"
     json.dump(meta, f, indent=2)
-  os.replace(path + ".tmp", path)  # written last: a crash before this line means "not prepared"
 
 
 def file_sha256(path: str) -> str:

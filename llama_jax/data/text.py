@@ -23,6 +23,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from llama_jax.core import paths
 from llama_jax.data.batches import batches_of, process_batches
 from llama_jax.data.prepared import FORMAT_VERSION, cannot_prepare, load_meta, prepared_meta, size_problem, write_meta
 from llama_jax.data.sources import DataError, DocumentRef, file_identity, iter_documents, split_components
@@ -50,8 +51,8 @@ def _write_split(
   never reads a shard back. Bad records and damaged files go to `problems` when it is a list (else they raise)."""
   counts = dict(documents=0, tokens=0, bytes=0, replaced_bytes=0, empty_documents=0, skipped=0)
   problems_before = len(problems or ())
-  tmp, digest, size = path + ".tmp", hashlib.sha256(), 0
-  with open(tmp, "wb") as out:
+  digest, size = hashlib.sha256(), 0
+  with paths.atomic_write(path, "wb") as out:
     batch: list[str] = []
 
     def flush():
@@ -77,7 +78,6 @@ def _write_split(
         flush()
     flush()
   counts["skipped"] = len(problems or ()) - problems_before
-  os.replace(tmp, path)
   return counts, dict(bytes=size, sha256=digest.hexdigest(), token_ids=True)
 
 

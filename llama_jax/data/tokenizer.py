@@ -518,21 +518,13 @@ def train_tokenizer(
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:
     raise TokenizerError(f"cannot create output directory {out_dir!r}: {e.strerror or e}") from e
-  # A hidden name in the same directory, so the rename is atomic; open() rather than tempfile for the umask's modes.
-  tmp_path = os.path.join(out_dir, f".{model_prefix}.model.tmp{os.getpid()}")
   try:
-    with open(tmp_path, "wb") as f:
+    with paths.atomic_write(model_path, "wb") as f:
       f.write(model.getvalue())
-      f.flush()
-      os.fsync(f.fileno())
-    if os.path.exists(model_path) and not overwrite:  # appeared while training
-      raise TokenizerError(f"{model_path!r} already exists; pass overwrite=True (--overwrite) to replace it")
-    os.replace(tmp_path, model_path)
+      if os.path.exists(model_path) and not overwrite:  # appeared while training
+        raise TokenizerError(f"{model_path!r} already exists; pass overwrite=True (--overwrite) to replace it")
   except OSError as e:
     raise TokenizerError(f"cannot write {model_path!r}: {e.strerror or e}") from e
-  finally:
-    if os.path.exists(tmp_path):
-      os.unlink(tmp_path)
   return model_path
 
 

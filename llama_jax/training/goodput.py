@@ -152,7 +152,8 @@ class GoodputLedger:
       setattr(session, f"{phase}_s", getattr(session, f"{phase}_s") + seconds)
     if self.enabled:
       document = {"goodput": self.goodput(), "totals": self.totals(), "sessions": [vars(s) for s in self.sessions]}
-      paths.write_atomically(self._file, json.dumps(document, indent=1) + "\n")
+      with paths.atomic_write(self._file) as f:
+        f.write(json.dumps(document, indent=1) + "\n")
     return self.goodput()
 
   def totals(self) -> dict[str, float]:
