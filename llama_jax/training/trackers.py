@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -106,8 +107,9 @@ class TensorBoardTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-  """A W&B run in `project`, its files under the workdir (W&B needs a local directory: a gs:// workdir's go to its
-  local cache). WANDB_MODE, WANDB_ENTITY and the API key come from W&B's own environment variables."""
+  """A W&B run in `project`, its files where WANDB_DIR says when it is set, else under the workdir (W&B needs a local
+  directory: a gs:// workdir's go to its local cache). WANDB_MODE, WANDB_ENTITY and the API key come from W&B's own
+  environment variables."""
 
   name = "wandb"
 
@@ -119,7 +121,7 @@ class WandbTracker(Tracker):
       name=run_name,
       id=record["id"] if record else None,
       resume="allow",
-      dir=paths.local_dir(workdir, ""),
+      dir=None if os.environ.get("WANDB_DIR") else paths.local_dir(workdir, ""),  # None: W&B reads WANDB_DIR
       config=config if record is None else None,
     )
     if record is not None:  # a resume: the config as this session runs it (steps raised, say)
@@ -205,7 +207,8 @@ def open_trackers(
       _log.warning("%s: not tracking this run (%s: %s)", name, type(error).__name__, first_line)
   kept = {t.name: t.record for t in trackers if hasattr(t, "record")}
   if kept and kept != {k: records.get(k) for k in kept}:
-    paths.write_atomically(records_file, json.dumps({**records, **kept}, indent=1) + "\n")
+    with paths.atomic_write(records_file) as f:
+      f.write(json.dumps({**records, **kept}, indent=1) + "\n")
   return trackers
 
 

@@ -108,10 +108,12 @@ def test_a_run_that_stops_on_an_error_ends_its_tracker_runs_as_failed(tmp_path, 
   env = tracker_env(tmp_path)
   monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
   # lr=1e30 (a typo for 1e-3): the loss is no longer finite within a few steps, and the run stops (exit 2).
+  # WANDB_DIR set: W&B's files go there, as W&B users expect, and not under the workdir.
+  env["WANDB_DIR"] = str(tmp_path / "wandb_dir")
   result = run_train(
     tmp_path / "run",
     small_tokenizer,
-    "--config.train.trackers=('mlflow',)",
+    "--config.train.trackers=('mlflow','wandb')",
     "--config.train.lr=1e30",
     env=env,
     check=False,
@@ -121,3 +123,5 @@ def test_a_run_that_stops_on_an_error_ends_its_tracker_runs_as_failed(tmp_path, 
   (run,) = client.search_runs([client.get_experiment_by_name("llama_jax").experiment_id])
   assert run.info.status == "FAILED"
   assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")]  # what was logged before the stop
+  (wandb_run,) = wandb_offline.offline_runs(str(tmp_path / "wandb_dir" / "wandb"))
+  assert wandb_run["history"] and not (tmp_path / "run" / "wandb").exists()
