@@ -1,13 +1,16 @@
-"""What the memory plans share: their error, byte arithmetic over abstract sharded trees, and the model as a plan
-compiles it for the target platform."""
+"""What the memory plans share: their error, the header every plan carries and prints first and last (where it was
+compiled, its collectives and kernels, how long it took), byte arithmetic over abstract sharded trees, and the model
+as a plan compiles it for the target platform."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 
+from llama_jax.core.accelerators import HBM_GIB
 from llama_jax.core.errors import LlamaJaxError
 from llama_jax.model import attention as attention_lib
 
@@ -16,6 +19,61 @@ GIB = 2**30
 
 class PlanError(LlamaJaxError, ValueError):
   """A plan cannot be made as asked (unknown topology, no TPU compiler installed); the message says what to do."""
+
+
+@dataclasses.dataclass
+class PlanHeader:
+  """What every plan (the train step's, decoding's) states about the programs it compiled."""
+
+  mesh: dict[str, int]
+  devices: int
+  device_kind: str  # e.g. "cpu" (simulated) or "TPU v4"
+  compiler: str  # "XLA:CPU estimate" or "TPU compiler"
+  n_params: int
+  collectives: dict[str, dict[str, int]]  # kind → {"count", "bytes"} per device (hlo.summarize)
+  kernels: dict[str, int]  # custom kernels in the program (splash ...) → executions
+  compile_seconds: float
+  seconds: float
+
+  def mesh_line(self) -> str:
+    """The report's line naming the mesh, the devices and the compiler whose figures follow."""
+    mesh = " × ".join(f"{axis} {size}" for axis, size in self.mesh.items())
+    devices = f"{self.devices} devices ({self.device_kind})"
+    return f"mesh      {mesh} = {devices}; memory and collectives from the {self.compiler}"
+
+  def collective_lines(self, executed_only: bool = False) -> list[str]:
+    """One line per kind of collective: executions and the size of the arrays they produce (with `executed_only`,
+    kinds never executed are left out, and "none" stands for no collective at all)."""
+    lines = [
+      f"  {kind:<25} {c['count']:>6}   {format_bytes(c['bytes']):>11}"
+      for kind, c in self.collectives.items()
+      if c["count"] or not executed_only
+    ]
+    return lines or ["  none"]
+
+  def kernel_lines(self, per: str) -> list[str]:
+    """The custom kernels' line (none when the program has none); `per` names the unit ("step", "token")."""
+    if not self.kernels:
+      return []
+    return [f"custom kernels per {per}: " + ", ".join(f"{name} × {n}" for name, n in self.kernels.items())]
+
+  def timing_line(self, other_compilers: str) -> str:
+    """How long planning took; an estimate (not the TPU compiler's) says that `other_compilers` differ."""
+    caveat = "" if self.compiler == "TPU compiler" else f"; {other_compilers} differ in temporaries"
+    return f"planned in {self.seconds:.1f} s, of which compile {self.compile_seconds:.1f} s ({self.compiler}{caveat})"
+
+
+def report_unit(peak_bytes: int) -> tuple[str, int]:
+  """("GiB", bytes per GiB) for a plan whose peak is a GiB or more, else ("MiB", bytes per MiB)."""
+  return ("GiB", GIB) if peak_bytes >= GIB else ("MiB", 2**20)
+
+
+def hbm_targets(hbm_gib: float | None) -> dict[str, float]:
+  """The accelerators a plan is checked against (name → GiB of HBM), with `--hbm_gib` when it is given."""
+  targets = dict(HBM_GIB)
+  if hbm_gib:
+    targets[f"--hbm_gib {hbm_gib:g}"] = hbm_gib
+  return targets
 
 
 def device_bytes(abstract_tree: Any) -> int:

@@ -18,8 +18,15 @@ import time
 import jax
 
 from llama_jax.analysis import hlo
-from llama_jax.analysis.memory import GIB, PlanError, device_bytes, format_bytes, model_config_for_plan
-from llama_jax.core.accelerators import HBM_GIB
+from llama_jax.analysis.memory import (
+  GIB,
+  PlanError,
+  PlanHeader,
+  device_bytes,
+  hbm_targets,
+  model_config_for_plan,
+  report_unit,
+)
 from llama_jax.core.run_config import RunConfig, run_config_from
 from llama_jax.model import attention as attention_lib
 from llama_jax.model import context as context_lib
@@ -31,14 +38,9 @@ __all__ = ["Plan", "PlanError", "plan", "report"]
 
 
 @dataclasses.dataclass
-class Plan:
-  """Per-device bytes of one compiled train step, and what produced them."""
+class Plan(PlanHeader):
+  """Per-device bytes of one compiled train step, and what produced them (collectives and kernels per step)."""
 
-  mesh: dict[str, int]
-  devices: int
-  device_kind: str  # e.g. "cpu" (simulated) or "TPU v4"
-  compiler: str  # "XLA:CPU estimate" or "TPU compiler"
-  n_params: int
   attention: str
   params_bytes: int  # from the shardings: every trained parameter's shard, summed (LoRA: the adapters)
   frozen_bytes: int  # LoRA: the frozen base model's shards (0 otherwise)
@@ -50,10 +52,6 @@ class Plan:
   alias_bytes: int  # outputs written in place of donated arguments
   temp_bytes: int  # activations, gradients and scratch alive during the step
   model_flops: float  # per step, all devices: 6·matmul params·tokens + attention (no remat recomputation)
-  collectives: dict[str, dict[str, int]]  # kind → {"count", "bytes"} per device and step (hlo.summarize)
-  kernels: dict[str, int]  # custom kernels in the program (splash ...) → executions per step
-  compile_seconds: float
-  seconds: float
 
   @property
   def peak_bytes(self) -> int:
@@ -143,8 +141,7 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
 
 def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
   train_cfg, model = run_config.train, run_config.model
-  mesh = " × ".join(f"{axis} {size}" for axis, size in p.mesh.items())
-  unit, scale = ("GiB", GIB) if p.peak_bytes >= GIB else ("MiB", 2**20)
+  unit, scale = report_unit(p.peak_bytes)
   lines = [
     f"model     {p.n_params:,} parameters ({model.param_dtype} storage, {model.dtype} compute), remat "
     f"{model.remat}, attention {p.attention}",
@@ -156,7 +153,7 @@ def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
       if train_cfg.lora.rank
       else []
     ),
-    f"mesh      {mesh} = {p.devices} devices ({p.device_kind}); memory and collectives from the {p.compiler}",
+    p.mesh_line(),
     f"batch     {train_cfg.batch_size} × {train_cfg.seq_len} tokens, grad_accum {train_cfg.grad_accum}",
     f"per device ({unit}):",
     f"  parameters        {p.params_bytes / scale:9.3f}" + ("   (trained: the adapters)" if p.frozen_bytes else ""),
@@ -170,17 +167,11 @@ def report(p: Plan, run_config: RunConfig, hbm_gib: float | None = None) -> str:
     f"model FLOPs per step {p.model_flops:.3e} ({p.model_flops / p.devices:.3e} per device; remat recomputation "
     f"not counted)",
     "collectives per step and device (executions, size of the arrays they produce):",
+    *p.collective_lines(),
+    *p.kernel_lines("step"),
   ]
-  for kind, c in p.collectives.items():
-    lines.append(f"  {kind:<25} {c['count']:>6}   {format_bytes(c['bytes']):>11}")
-  if p.kernels:
-    lines.append("custom kernels per step: " + ", ".join(f"{name} × {n}" for name, n in p.kernels.items()))
-  targets = dict(HBM_GIB)
-  if hbm_gib:
-    targets[f"--hbm_gib {hbm_gib:g}"] = hbm_gib
-  for name, gib in targets.items():
+  for name, gib in hbm_targets(hbm_gib).items():
     verdict = "fits" if p.fits(gib) else "does not fit"
     lines.append(f"  {name:<14} {gib:>6g} GiB: {verdict} ({gib - p.peak_bytes / GIB:+.2f} GiB to spare)")
-  caveat = "" if p.compiler == "TPU compiler" else "; accelerator compilers differ in temporaries"
-  lines.append(f"planned in {p.seconds:.1f} s, of which compile {p.compile_seconds:.1f} s ({p.compiler}{caveat})")
+  lines.append(p.timing_line("accelerator compilers"))
   return "\n".join(lines)

@@ -39,7 +39,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from llama_jax.analysis import hlo
-from llama_jax.analysis.memory import GIB, PlanError, device_bytes, format_bytes, model_config_for_plan
+from llama_jax.analysis.memory import (
+  GIB,
+  PlanError,
+  PlanHeader,
+  device_bytes,
+  format_bytes,
+  hbm_targets,
+  model_config_for_plan,
+  report_unit,
+)
 from llama_jax.core.accelerators import HBM_GIB
 from llama_jax.core.run_config import RunConfig, run_config_from
 from llama_jax.inference import placement, sampler
@@ -71,14 +80,10 @@ class ProgramMemory:
 
 
 @dataclasses.dataclass
-class DecodePlan:
-  """Per-device bytes of decoding `batch` rows × `max_len` slots, and what produced them."""
+class DecodePlan(PlanHeader):
+  """Per-device bytes of decoding `batch` rows × `max_len` slots, and what produced them (collectives and kernels
+  per generated token: the decode loop's body, counted once)."""
 
-  mesh: dict[str, int]
-  devices: int
-  device_kind: str
-  compiler: str
-  n_params: int
   param_dtype: str
   dtype: str  # compute and KV cache
   quantize: str
@@ -99,10 +104,6 @@ class DecodePlan:
   decode_more_rows: ProgramMemory | None
   prefill: ProgramMemory | None
   prefill_more_rows: ProgramMemory | None
-  collectives: dict[str, dict[str, int]]  # per generated token and device: the loop body, counted once
-  kernels: dict[str, int]
-  compile_seconds: float
-  seconds: float
 
   @property
   def peak_bytes(self) -> int:
@@ -368,14 +369,12 @@ def expert_weights(params: Any) -> list:
 
 def report(p: DecodePlan, hbm_gib: float | None = None) -> str:
   """The plan as the command prints it: one line per figure, in the order they are read (long as the report is)."""
-  mesh = " × ".join(f"{axis} {size}" for axis, size in p.mesh.items())
   weights = f"int8 + float32 scales (from {p.param_dtype})" if p.quantize == "int8" else p.param_dtype
   repeats = f", kv heads repeated {p.kv_repeats}× to {p.n_kv_heads}" if p.kv_repeats > 1 else ""
-  scale = GIB if p.peak_bytes >= GIB else 2**20
-  unit = "GiB" if scale == GIB else "MiB"
+  unit, scale = report_unit(p.peak_bytes)
   lines = [
     f"model     {p.n_params:,} parameters, weights {weights}, compute and KV cache {p.dtype}{repeats}",
-    f"mesh      {mesh} = {p.devices} devices ({p.device_kind}); memory and collectives from the {p.compiler}",
+    p.mesh_line(),
     f"decode    batch {p.batch}"
     + (f" (padded to {p.rows} rows)" if p.rows != p.batch else "")
     + f" × {p.max_len} cache slots; "
@@ -404,13 +403,7 @@ def report(p: DecodePlan, hbm_gib: float | None = None) -> str:
     "collectives per generated token and device (the decode loop's body: its trip count depends on the data, so it "
     "is counted once; executions, size of the arrays they produce):"
   )
-  for kind, c in p.collectives.items():
-    if c["count"]:
-      lines.append(f"  {kind:<25} {c['count']:>6}   {format_bytes(c['bytes']):>11}")
-  if not any(c["count"] for c in p.collectives.values()):
-    lines.append("  none")
-  if p.kernels:
-    lines.append("custom kernels per token: " + ", ".join(f"{name} × {n}" for name, n in p.kernels.items()))
+  lines += [*p.collective_lines(executed_only=True), *p.kernel_lines("token")]
   per_row = p.bytes_per_row()
   more_rows = p.rows + ROWS_PER_TILE * p.mesh["data"]
   refused = p.decode_more_rows is None or (p.prefill is not None and p.prefill_more_rows is None)
@@ -424,18 +417,14 @@ def report(p: DecodePlan, hbm_gib: float | None = None) -> str:
     )
     + "):"
   )
-  targets = dict(HBM_GIB)
-  if hbm_gib:
-    targets[f"--hbm_gib {hbm_gib:g}"] = hbm_gib
-  for name, gib in targets.items():
+  for name, gib in hbm_targets(hbm_gib).items():
     verdict = "fits" if p.fits(gib) else "does not fit"
     largest = p.max_batch(gib)
     most = "no memory bound" if largest < 0 else f"largest batch {largest}"
     lines.append(
       f"  {name:<14} {gib:>6g} GiB: batch {p.batch} {verdict} ({gib - p.peak_bytes / GIB:+.2f} GiB to spare); {most}"
     )
-  caveat = "" if p.compiler == "TPU compiler" else "; GPU and TPU compilers differ in temporaries"
-  lines.append(f"planned in {p.seconds:.1f} s, of which compile {p.compile_seconds:.1f} s ({p.compiler}{caveat})")
+  lines.append(p.timing_line("GPU and TPU compilers"))
   return "\n".join(lines)
 
 
