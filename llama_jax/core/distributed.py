@@ -187,8 +187,8 @@ def reached_preemption_sync_point(count: int) -> bool:
   JAX's preemption service catches SIGTERM in each process (a C++ handler) and tells the coordinator; a background
   thread in every process then reports its latest count and, after a barrier (3 minutes at most), all take the highest
   plus one. Counting from 1 per run, not by train step, keeps a SIGTERM that comes before the loop: the counts are
-  then 0, and the first step stops. The call itself is local (a mutex and a comparison, no message; 0.3–0.7 µs on
-  loopback CPU): it can run every step.
+  then 0, and the first step stops. The call itself is local (a mutex and a comparison, no message
+  (BENCHMARKS.md, "Figures behind the code")): it can run every step.
   """
   return multihost_utils.reached_preemption_sync_point(count)
 

@@ -56,8 +56,8 @@ class MoEConfig:
   # token, weighted by the routing (the reference path of the tests; top_k/num_experts of its work is used).
   compute: str = "dropless"
   # The grouped matmul of the dropless path: ragged_dot (XLA's ragged dot; TPU and GPU kernels) | tiles (groups padded
-  # to row tiles, one dense product per tile; 3× faster than ragged_dot on XLA:CPU, which computes every group on
-  # every row) | auto (tiles on CPU, ragged_dot elsewhere).
+  # to row tiles, one dense product per tile; faster than ragged_dot on XLA:CPU, which computes every group on every
+  # row: (BENCHMARKS.md, "Figures behind the code")) | auto (tiles on CPU, ragged_dot elsewhere).
   grouped: str = "auto"
   capacity_factor: float = 1.25
   # Weight of the load-balancing loss (Switch: num_experts · Σ_e share of assignments_e · mean router probability_e)
@@ -134,14 +134,13 @@ class ModelConfig:
   context_strategy: str = "all_gather"
   # Tokens per chunk of the training and evaluation loss (0: the whole sequence at once). The LM head and the
   # cross-entropy run chunk by chunk, rematerialised in the backward pass, so the float32 logits [B, T, V] never exist
-  # whole: with Llama 3's 128,256-token vocabulary they are 4 GiB per 8,192-token sequence, twice with their gradient.
+  # whole: with Llama 3's vocabulary they are 128,256 float32s per token of every sequence, twice with their gradient.
   loss_chunk: int = 0
   # With loss_chunk, how the LM head's weights reach the chunks (when an fsdp axis splits them): none (gathered in
   # each chunk's forward and rematerialised forward, its gradient reduced in each chunk's backward) | weights
   # (gathered once per step for every chunk; the gradient still reduced per chunk) | weights_and_gradient (also the
-  # float32 gradient accumulated whole and reduced once). TPU compiler, Llama 3 8B, peak per chip and the step's
-  # all-gathers + all-reduces (README, "Long context"): at 131,072 tokens on fsdp 16 × context 4 (ring)
-  # 32.71 / 32.68 / 36.40 GiB and 92.1 + 34.2 / 30.5 + 34.2 / 30.5 + 4.7 GiB.
+  # float32 gradient accumulated whole and reduced once). What each costs and saves on Llama 3 8B: README, "Long
+  # context".
   loss_head_once: str = "none"
   init_std: float = 0.02
   # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see

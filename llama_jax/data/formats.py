@@ -179,9 +179,9 @@ _JSON_WHITESPACE = " \t\n\r"
 
 def json_line(raw: bytes) -> Any:
   """The value of one JSON Lines line (UTF-8, an optional byte-order mark), as json.loads gives it, or its
-  JSONDecodeError / UnicodeDecodeError. Through the C scanner directly: 0.96 µs a line against json.loads's 4.8 µs
-  (an 80-character text field, 2-core EPYC), whose Python wrappers (encoding detection, decode, raw_decode) were 15%
-  of a streaming worker's time per document beside the tokenizer."""
+  JSONDecodeError / UnicodeDecodeError. Through the C scanner directly: json.loads's Python wrappers (encoding
+  detection, decode, raw_decode) took a sizeable share of a streaming worker's time per document beside the
+  tokenizer (BENCHMARKS.md, "Figures behind the code")."""
   text = raw.decode("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8").strip(_JSON_WHITESPACE)
   try:
     value, end = _SCAN_JSON(text, 0)

@@ -155,8 +155,8 @@ class JinjaChatTemplate:
   ) -> tuple[int, tuple[list[int], list[int]]]:
     """(d, its encoding): the fewest oldest exchanges to drop so that the rest fits `max_len`, keeping at least the
     last exchange. The answer a scan d = 1, 2, ... finds, from fewer encodings: each costs one template rendering per
-    turn, and the scan encoded a long conversation once per exchange dropped (23× slower than this on 150 chitchat
-    conversations at 64, 128 and 300 tokens, with the same results). This starts at the estimate of the turns'
+    turn, and the scan encoded a long conversation once per exchange dropped (much slower than this, with the same
+    results: (BENCHMARKS.md, "Figures behind the code")). This starts at the estimate of the turns'
     content tokens plus the template's measured markup per message, then steps down while the one before fits or up
     while it does not."""
     most = max(0, -(-(len(turns) - 2) // 2))  # the scan stops once at most two turns are left

@@ -209,7 +209,7 @@ def prepare(
     token_shards.token_dtype(tokenizer.vocab_size),
     data_cfg.on_error,
   )
-  # One small read per unit, remote ones ~20-50 ms each on Cloud Storage: 32 at a time.
+  # One small read per unit; a remote read waits on the store's latency rather than on this machine: 32 at a time.
   with concurrent.futures.ThreadPoolExecutor(32) as pool:
     todo = [u for u, done in zip(units, pool.map(lambda u: finished_record(settings, u), units)) if done is None]
   if todo:

@@ -29,9 +29,9 @@ _log = logging.getLogger(__name__)
 FORMAT_VERSION = 2  # 2: meta.json records each shard's size and sha256
 SPLITS = ("train", "val")
 
-# The id scan reads the whole shard: measured ~17 GB/s from the page cache (15 ms for this size) on a shared 2-core
-# EPYC, a disk's read speed when cold (~0.1-0.5 s here on an SSD). Past this size ids are checked per window as they
-# are read, and over the whole shard only with data.verify (whose sha256 runs at ~1 GB/s on the same CPU).
+# The id scan reads the whole shard: a fraction of a second at this size, from the page cache or a disk
+# (BENCHMARKS.md, "Figures behind the code"). Past this size ids are checked per window as they are read, and over
+# the whole shard only with data.verify (its sha256 is slower than the scan).
 RANGE_SCAN_BYTES = 256 * 2**20
 _READ_CHUNK = 16 * 2**20
 

@@ -357,11 +357,11 @@ _encode_threads = -1  # sentencepiece threads per encode_batch call: one per cor
 
 def _worker_init(worker_index: int, worker_count: int) -> None:
   """Run in each grain worker before it reads. (1) Tokenize on one thread: the workers are the parallelism, and one
-  worker's encode_batch on sentencepiece's pool already took both cores of this machine part of the time, so a second
-  worker added 1.38× (bench/data.py); on a TPU VM host (224-240 vCPUs) data.workers pools of a thread per core each
-  would oversubscribe it. (2) Exit once the training process is gone: a SIGKILLed trainer otherwise left its workers
-  running, adopted by init, holding its memory and output pipes (found by the SIGKILL test, which then never ended);
-  polled twice a second."""
+  worker's encode_batch on sentencepiece's pool already took both cores of a small machine part of the time
+  (BENCHMARKS.md, "Pretraining data"); on a TPU VM host (hundreds of vCPUs) data.workers pools of a thread per core
+  each would oversubscribe it. (2) Exit once the training process is gone: a SIGKILLed trainer otherwise left its
+  workers running, adopted by init, holding its memory and output pipes (found by the SIGKILL test, which then never
+  ended); polled twice a second."""
   del worker_index, worker_count
   global _encode_threads
   _encode_threads = 1

@@ -30,9 +30,8 @@ from llama_jax.inference.slots import SlotState, generate_steps, insert_prompts
 from llama_jax.model import sharding
 
 # Decode steps per compiled call: the host hands out tokens, frees finished slots and admits waiting requests after
-# each call. Measured with bench/serve.py (stories15M, 16 slots, 2 cores): 8 steps against 4 gave 3.41× against
-# 2.93× the sequential throughput at 16 clients, 1.15× against 0.89× at one, and a lower time to first token at
-# every load (fewer host round trips; a new request waits at most one call).
+# each call. 8 rather than 4 gave more throughput and a lower time to first token at every load in bench/serve.py
+# (fewer host round trips; a new request waits at most one call) (BENCHMARKS.md, "Figures behind the code").
 STEPS_PER_CALL = 8
 # Tokens (rows × prompt bucket) one admission call may prefill, by default: waiting requests are prefilled together
 # (16 prompts of ≤ 64 tokens in one call on stories15M) rather than one call each.

@@ -211,11 +211,10 @@ def _constrained(state: DecodeState) -> DecodeState:
 
 # Physical order of each [B, K, S, H] cache buffer, major to minor, where the default row-major order costs memory.
 # The TPU compiler keeps the cache slot-major inside the decode loop ([S, K, B, H]: what Layout.AUTO picks on v5p);
-# handed a row-major buffer it copies the whole cache into that order at loop entry and back at exit. Measured with
-# the TPU compiler (v5p, dim 1024, H = 128, batch 8 × 2,048 slots): loop temporaries 288 MiB for a 256 MiB cache
-# row-major, 53 MiB slot-major. Only for H a multiple of 128 (every LLaMA 2 size): TPU tiles the minor axis by 128,
-# and a slot-major cache with H = 32 takes 4× its bytes. Elsewhere row-major, which XLA:CPU's attention products
-# read without a transpose.
+# handed a row-major buffer it copies the whole cache into that order at loop entry and back at exit (BENCHMARKS.md,
+# "Figures behind the code"). Only for H a multiple of 128 (every LLaMA 2 size): TPU tiles the minor axis by 128, so
+# a slot-major cache with a smaller H is padded to 128. Elsewhere row-major, which XLA:CPU's attention products read
+# without a transpose.
 SLOT_MAJOR = (2, 1, 0, 3)
 
 

@@ -307,8 +307,8 @@ def _check_finite(piece: np.ndarray, name: str, path: str) -> None:
 
 def _release_pages(tensor: Any) -> None:
   """Hands a memory-mapped tensor's pages back to the kernel once copied (Linux ≥ 5.4, best effort), so that the
-  mapped shards do not add up to a second copy of the model in this process's resident memory (measured: 2.05× the
-  model without, 1.15× with). MADV_PAGEOUT rather than MADV_DONTNEED: it never discards data, mapped or not."""
+  mapped shards do not add up to a second copy of the model in this process's resident memory (BENCHMARKS.md,
+  "Figures behind the code"). MADV_PAGEOUT rather than MADV_DONTNEED: it never discards data, mapped or not."""
   if sys.platform != "linux" or tensor.numel() == 0:
     return
   import ctypes

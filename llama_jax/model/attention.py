@@ -23,9 +23,9 @@ Array = jax.Array
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of this many tokens ...
 # ... or of this many where the sequence (each device's slice of the queries, and the keys) divides into them, as
-# MaxText's defaults do: the kernel keeps its mask tables, a few entries per pair of blocks, in the chip's 1 MiB of
-# SMEM, and with 128-token blocks a 131,072-token sequence's needed 2 MiB ("would exceed memory" in smem, TPU
-# compiler, Llama 3 8B and LLaMA 7B on v5p), and 262,144 tokens over context 8 1.5 MiB.
+# MaxText's defaults do: the kernel keeps its mask tables, a few entries per pair of blocks, in the chip's SMEM,
+# which 128-token blocks of a long sequence overflow ("would exceed memory" in smem, TPU compiler; BENCHMARKS.md,
+# "Figures behind the code").
 LONG_SPLASH_BLOCK = 512
 MIN_CHUNK = 64  # "chunked": query rows per chunk (the fastest on XLA:CPU at T = 256 and 512) ...
 MAX_CHUNKS = 16  # ... or more, to keep the unrolled chunk loop at most this long
@@ -126,8 +126,8 @@ def softmax(x: Array) -> Array:
   """Softmax over the last axis whose backward pass keeps only its output.
 
   jax.nn.softmax's default derivative (jax 0.10, `jax_softmax_custom_jvp` off) keeps the input and the exponentials
-  too: two extra [B, K, G, T, S] float32 arrays per layer, which made attention's forward + backward twice as slow on
-  CPU (52 ms vs 26 ms per layer at B=8, T=256, N=4).
+  too: two extra [B, K, G, T, S] float32 arrays per layer, which made attention's forward + backward slower on CPU
+  (BENCHMARKS.md, "Figures behind the code").
   """
   return jax.nn.softmax(x, axis=-1)
 
@@ -218,7 +218,7 @@ def chunked_attention(
 
   Without `remat` (below LONG_SEQUENCE tokens by default), an unrolled loop in which chunk c attends to keys
   [0, (c+1)·chunk) only: the upper triangle of the scores is never computed, and each chunk's scores stay small
-  (forward + backward 2.1× faster than `xla_attention` at B=8, T=512 on XLA:CPU, on par with torch's fused kernel).
+  (forward + backward faster than `xla_attention` on XLA:CPU (BENCHMARKS.md, "Figures behind the code")).
   With `remat`, a `lax.map` over the chunks, each against every key (masked) and recomputed in the backward pass:
   one chunk's [B, N, chunk, S] scores are alive at a time, so memory grows with T·chunk, as the flash kernels' does.
   """

@@ -135,8 +135,8 @@ def splash_ring(q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array,
         lse_BKGC = jax.lax.dynamic_update_slice_in_dim(lse_BKGC, merged_BKGR, row, 3)
       if step < shards - 1:
         # The next block's products wait for this one's merge: otherwise the compiler ran every step's kernel first
-        # and kept each block's output and 128-lane log-sum-exp alive at once (TPU compiler, 8,192 tokens on context
-        # 4, the barrier in both passes: temporaries per chip 135.7 → 116.6 MiB for the ring, 158.5 → 138.4 zigzag).
+        # and kept each block's output and 128-lane log-sum-exp alive at once (BENCHMARKS.md, "Figures behind the
+        # code").
         (out_BKGCH, lse_BKGC), kv = jax.lax.optimization_barrier(((out_BKGCH, lse_BKGC), next_kv))
     return out_BKGCH.astype(q_BKGCH.dtype), lse_BKGC
 
@@ -220,9 +220,8 @@ def context_attention(
 
   # Long sequences attend by query chunks of each slice, one at a time and rematerialised (as "chunked" does from
   # LONG_SEQUENCE on): scores of `chunk` rows alive instead of the slice's. By the sequence's length, not the
-  # slice's: at 4,096 tokens on 4 devices, unchunked 1,024-token slices held 0.39 GiB of temporaries per device
-  # against 0.08 GiB for the chunked 2,048-token slices of 2 devices (bench/attention.py). Zigzag merges half
-  # slices too, so its chunk divides half a slice.
+  # slice's: unchunked short slices of a long sequence held more temporaries per device than chunked longer ones
+  # (BENCHMARKS.md, "Figures behind the code"). Zigzag merges half slices too, so its chunk divides half a slice.
   chunk = attention_lib.chunk_size(block) if q_len >= attention_lib.LONG_SEQUENCE else None
   if chunk is not None and strategy == "zigzag" and (block // 2) % chunk:
     chunk = attention_lib.chunk_size(block // 2)
@@ -399,9 +398,8 @@ def _gather_slices(x_BC: Array, axes: tuple[str, ...], shards: int) -> Array:
   over a new leading axis of the `shards` slices, [n, B, C, ...], rather than over the sequence axis in place: the
   TPU compiler turns a reduce-scatter whose dimension is not the operand's major one into an all-reduce of the whole
   sequence and a slice, which it did for splash's key and value gradients (the kernel lays out heads before
-  positions). TPU compiler, 7B at 32,768 tokens on fsdp 16 × context 4 with splash: all-reduces 17.26 → 1.26 GiB per
-  chip and step, reduce-scatters 12.89 → 16.89 GiB (a quarter of a sequence each, as the XLA blocks'), peak
-  unchanged. The XLA blocks keep the plain all-gather: with this one their reduce-scatters grew 16.89 → 22.91 GiB."""
+  positions). The XLA blocks keep the plain all-gather, whose reduce-scatters this one made larger (BENCHMARKS.md,
+  "Figures behind the code")."""
   return _all_gather(x_BC, axes)
 
 

@@ -90,8 +90,8 @@ def project(
   neither the forward nor the gradients ever form an [I, O] matrix for the adapter.
 
   Same numbers as the einsum it replaces (written next to each call), but XLA's CPU backend runs a 2-D dot and its
-  weight gradient far faster than the same contraction written over [B, T]: an MLP's forward + backward at B=8,
-  T=512, D=512, F=1536 took 416 ms instead of 704 ms. The reshapes are free (contiguous) and keep shardings, since
+  weight gradient far faster than the same contraction written over [B, T] (BENCHMARKS.md, "Figures behind the
+  code"). The reshapes are free (contiguous) and keep shardings, since
   the batch stays the major axis. Scaling the output is the same math as scaling the weight's output channels, on
   [B·T, O] values instead of [I, O], and never holds a float copy of the weight. The scale is applied in the
   output's dtype (float32 for the logits, which accumulate in float32).
@@ -288,7 +288,7 @@ class MoE(nnx.Module):
     if cfg.compute != "dense" and sharding.active_rules() is not None:
       # Per device (shard_map): each device routes its own tokens, to its own experts or, with mesh.expert > 1,
       # to the experts' devices by all-to-all. Left to the compiler, sorting the batch-sharded tokens gathered every
-      # token everywhere (TPU compiler, v5p-8, fsdp=4, a 2-layer model: 116 MB of all-reduce per step, 1.1 MB so).
+      # token everywhere (BENCHMARKS.md, "Figures behind the code").
       y_MD, dropped = moe_lib.sharded_experts(
         x_MD,
         weights_MJ,
@@ -409,7 +409,8 @@ class Llama(nnx.Module):
   BlockGroup of `every` blocks with the leading axis L/every (block i is then group i // every's block i % every).
   `stacked_layers=False`: a list of L separate blocks (params from `unstack_layers`), the decoding layout: a step
   then reads each layer's weights and writes its cache buffers in place, where slicing them out of stacked arrays
-  copied every weight per step on XLA:CPU (batch-1 decode step 13 → 5 ms). Each layout decodes with its own cache:
+  copied every weight per step on XLA:CPU (BENCHMARKS.md, "Figures behind the code"). Each layout decodes with its
+  own cache:
   per-layer buffers for the decoding layout (what the ``Sampler`` runs), one stacked [L, B, K, S, H] cache in the
   scan carry for the stacked layout (tests, and models too deep to unroll).
 

@@ -87,8 +87,7 @@ def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, 
   """`losses_and_router`'s scan over chunks. With the sequence split over context axes into S slices, the chunks are
   cut within each slice and every scan step takes one chunk from each ([B, S·C] positions, each device its own C):
   chunks of the whole sequence put each step's positions on one device, so the devices took turns, and the head's
-  weights were gathered and reduced at every step (TPU compiler, Llama 3 8B at 131,072 tokens on fsdp 16 × context
-  4, ring: all-gathers 281.0 → 92.1 GiB per step and chip, all-reduces 128.1 → 34.2 GiB, peak 32.58 → 32.71)."""
+  weights were gathered and reduced at every step (BENCHMARKS.md, "Figures behind the code")."""
   batch, length = targets_BT.shape
   _, slices = sharding.context_axes()
   slices = slices if length % slices == 0 else 1
@@ -131,7 +130,7 @@ def _gathered(head_DV: jax.Array) -> jax.Array:
 def _gathered_for_every_chunk(head_DV: jax.Array) -> jax.Array:
   """`_gathered`, whose cotangent is constrained back to the weight's own sharding (loss_head_once="weights"): the
   compiler then reduces each chunk's gradient into the split accumulator instead of holding a whole float32 one
-  (TPU compiler, 8B at 8,192 tokens on fsdp 16: peak 19.82 against 23.49 GiB)."""
+  (BENCHMARKS.md, "Figures behind the code")."""
   return _gathered(head_DV)
 
 

@@ -8,8 +8,8 @@ The experts run one of three ways (``MoEConfig.compute``), all equal up to float
 - dropless: the A assignments sorted by expert and multiplied by grouped matmuls (group e = the rows routed to
   expert e), no token dropped. The grouped matmul is ``jax.lax.ragged_dot`` (TPU and GPU kernels) or, on CPU, a
   tiled product: each group padded to whole tiles of Y rows, one [Y, D]·[D, F] product per tile in a scan. XLA:CPU
-  computes ragged_dot as every group on every row (B·T = 4,096, top-2 of 8, D=128, F=352: forward 45 ms, the same as
-  all eight experts on every token; tiles: 15 ms; forward + backward 138 vs 54 ms).
+  computes ragged_dot as every group on every row, as slow as all experts on every token (BENCHMARKS.md, "Figures
+  behind the code").
 - capacity: each expert takes at most U = capacity_factor · A / E of a device's A assignments (earlier tokens
   first), computed as one batched einsum over [E, U, D]; the rest are dropped (their weight is lost, the residual
   carries the token) and their fraction reported. Static shapes throughout: GShard's expert capacity, what MaxText

@@ -31,7 +31,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 DEFAULT_REQUEST_TIMEOUT_S = 60.0  # nginx's client_header_timeout and client_body_timeout
 DEFAULT_MAX_CONNECTIONS = 256
 # The kernel's send buffer of each connection (Linux doubles it for its bookkeeping). Left to autotuning, it grows to
-# tcp_wmem's maximum (4 MiB here) for a client that reads nothing: kernel memory held per stalled connection. A token
+# tcp_wmem's maximum (megabytes) for a client that reads nothing: kernel memory held per stalled connection. A token
 # stream writes a few hundred bytes per token.
 SEND_BUFFER_BYTES = 256 * 2**10
 # Request line and headers of one request; beyond it, 431. httptools' parser has no limit of its own (h11's is 16 KiB);

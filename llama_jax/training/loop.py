@@ -259,7 +259,7 @@ class PreemptionHook(Hook):
   One process: a Python handler stops the loop after the current step. Several: the signal may reach only some of
   them, yet all must stop at the same step (the save is collective; one that trained on would wait in the next step's
   all-reduce). JAX's preemption service, on with jax.distributed, then owns SIGTERM and picks the step: a local check
-  after every step (no message; ~1 µs). Where that service is off, a Python handler notes the signal and the processes
+  after every step (no message). Where that service is off, a Python handler notes the signal and the processes
   compare notes every `agree_every` steps (an all-gather and a host sync, too dear for every step).
   """
 
