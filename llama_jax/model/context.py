@@ -299,8 +299,7 @@ def context_attention(
       return tuple(joined(r, 3) for r in merged)
 
     # Each block's merge is rematerialised in the backward pass: only the running (max, sum, output) of each step
-    # are kept, not its [C, C] scores (TPU compiler, 8,192 tokens on context=4, unchunked: temporaries 0.32 → 0.21
-    # of one chip's).
+    # are kept, not its [C, C] scores (BENCHMARKS.md, "Figures behind the code").
     @functools.partial(jax.checkpoint, static_argnums=(0,))
     def merge_block(step, running, k_BSKH, v_BSKH, kv_segments_BS):
       # Step 0 is the device's own block, where every query sees itself: the running max is a real score from
@@ -314,8 +313,8 @@ def context_attention(
       # queries; from a later one, its whole block against this device's late chunk. Both are two [C/2, C/2]
       # merges with one in common, the late queries against the early keys; the other pairs early queries with
       # early keys, or late with late: the same slice offset of queries and keys, chosen on device. (A lax.cond
-      # between the two cases kept both cases' residuals for the backward pass: 0.50 of one chip's activations
-      # against the ring's 0.32, TPU compiler, 8,192 tokens on context=4.)
+      # between the two cases kept both cases' residuals for the backward pass: BENCHMARKS.md, "Figures behind the
+      # code".)
       half = block // 2
 
       def merge_slice(running, row_start, kv_start):
