@@ -33,6 +33,7 @@ context slice (GPU: the XLA blocks).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,18 @@ def splash_ring(q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array,
   return attention_lib.from_kernel_layout(attend((own, whole), q_BKGCH, k_BKCH, v_BKCH, segments_BC), q_BCNH)
 
 
+class Slices(NamedTuple):
+  """How `context_attention` cut the sequence: what each strategy's per-device function needs besides its arrays."""
+
+  axes: tuple[str, ...]  # the context mesh axes
+  shards: int  # devices along them
+  q_len: int  # T, the whole sequence
+  block: int  # C = T / shards, each device's tokens
+  head_dim: int
+  chunk: int | None  # query rows attended at a time (rematerialised), or None for a whole slice at once
+  zigzag: bool  # the zigzag layout (device i holds chunks i and 2n-1-i of 2n)
+
+
 def context_attention(
   q_BTNH: Array,
   k_BSKH: Array,
@@ -190,10 +203,29 @@ def context_attention(
   implementation: str = "auto",
   interpret: bool = False,
 ) -> Array:
-  """Causal self-attention (T == S) of a sequence split over the context axes, by `strategy` (module docstring);
-  "zigzag" takes and returns the zigzag layout (`to_zigzag`), the others the natural one. `implementation` is
-  model.attention (`slice_kernel`); `interpret=True` chooses the kernel as on TPU and runs splash, where chosen, by
-  the Pallas interpreter on any backend (tests)."""
+  """Causal self-attention (T == S) of a sequence split over the active mesh's context axes.
+
+  Each device runs one strategy's function under ``shard_map`` on its slice: `gathered_xla`, `gathered_splash`,
+  `ring_xla` or `splash_ring` (module docstring), chosen by `strategy` and the kernel `slice_kernel` picks.
+
+  Args:
+    q_BTNH: queries.
+    k_BSKH: keys.
+    v_BSKH: values.
+    segment_ids: [B, T] document ids of packed sequences (None: one document per row).
+    strategy: "all_gather", "ring" or "zigzag"; "zigzag" takes and returns the zigzag layout (`to_zigzag`), the
+      others the natural one.
+    implementation: model.attention (`slice_kernel` chooses the kernel inside each slice from it).
+    interpret: choose the kernel as on TPU and run splash, where chosen, by the Pallas interpreter on any backend
+      (tests).
+
+  Returns:
+    The attention output, shaped as `q_BTNH`.
+
+  Raises:
+    ValueError: for an unknown strategy, or a kernel that cannot run inside a slice.
+    sharding.ShardingError: when the context axes do not divide the sequence.
+  """
   if strategy not in CONTEXT_STRATEGIES:
     raise ValueError(f"context strategy must be one of {', '.join(CONTEXT_STRATEGIES)}; got {strategy!r}")
   if (problem := unsupported_context_kernel(implementation, strategy)) is not None:
@@ -225,123 +257,7 @@ def context_attention(
   chunk = attention_lib.chunk_size(block) if q_len >= attention_lib.LONG_SEQUENCE else None
   if chunk is not None and strategy == "zigzag" and (block // 2) % chunk:
     chunk = attention_lib.chunk_size(block // 2)
-
-  def gather_sequence(*slices_BC):
-    """The whole sequence of each [B, C, ...] slice, by one all-gather over the context axes (its gradient is
-    reduce-scattered)."""
-    return tuple(_all_gather(x, axes) for x in slices_BC)
-
-  def gathered(q_BCNH, k_BCKH, v_BCKH, segments_BC):
-    first = jax.lax.axis_index(axes) * block
-    k_BSKH, v_BSKH, segments_BS = gather_sequence(k_BCKH, v_BCKH, segments_BC)
-    kv_positions_BS = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), segments_BS.shape)
-
-    def attend(q_BRNH, segments_BR, start):
-      q_positions_BR = jnp.broadcast_to(start + jnp.arange(q_BRNH.shape[1], dtype=jnp.int32), segments_BR.shape)
-      return attention_lib.xla_attention(
-        q_BRNH,
-        k_BSKH,
-        v_BSKH,
-        q_segment_ids=segments_BR,
-        kv_segment_ids=segments_BS,
-        q_positions=q_positions_BR,
-        kv_positions=kv_positions_BS,
-      )
-
-    if chunk is None:
-      return attend(q_BCNH, segments_BC, first)
-    return attention_lib.map_query_chunks(attend, q_BCNH, segments_BC, chunk, first)
-
-  def token_index(device):
-    """The global indices [C] of the tokens a device holds."""
-    if strategy != "zigzag":
-      return device * block + jnp.arange(block, dtype=jnp.int32)
-    half = jnp.arange(block // 2, dtype=jnp.int32)
-    return jnp.concatenate([device * (block // 2) + half, (2 * shards - 1 - device) * (block // 2) + half])
-
-  def ring(q_BCNH, k_BCKH, v_BCKH, segments_BC):
-    index = jax.lax.axis_index(axes)
-    b, n_kv_heads = q_BCNH.shape[0], k_BCKH.shape[2]
-    q_BCKGH = q_BCNH.reshape(b, block, n_kv_heads, -1, head_dim)
-    groups = q_BCKGH.shape[3]
-    q_index_BC = jnp.broadcast_to(token_index(index), segments_BC.shape)
-    to_next = [(i, (i + 1) % shards) for i in range(shards)]
-
-    def merge_rows(rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S):
-      """One block of keys merged into some query rows' running (max, sum, output) [B, K, G, R(, H)]."""
-      q_BRKGH, q_index_BR, segments_BR, (max_BKGR, sum_BKGR, out_BKGRH) = rows
-      scores_BKGRS = jnp.einsum("BRKGH,BSKH->BKGRS", q_BRKGH, k_BSKH, preferred_element_type=jnp.float32)
-      scores_BKGRS = scores_BKGRS * (1.0 / np.sqrt(head_dim))
-      visible_BRS = (kv_index_S[None, None, :] <= q_index_BR[:, :, None]) & (
-        segments_BR[:, :, None] == kv_segments_BS[:, None, :]
-      )
-      scores_BKGRS = jnp.where(visible_BRS[:, None, None], scores_BKGRS, attention_lib.MASK_VALUE)
-      new_max_BKGR = jnp.maximum(max_BKGR, scores_BKGRS.max(axis=-1))
-      probs_BKGRS = jnp.exp(scores_BKGRS - new_max_BKGR[..., None])
-      rescale_BKGR = jnp.exp(max_BKGR - new_max_BKGR)
-      sum_BKGR = sum_BKGR * rescale_BKGR + probs_BKGRS.sum(axis=-1)
-      out_BKGRH = out_BKGRH * rescale_BKGR[..., None] + jnp.einsum(
-        "BKGRS,BSKH->BKGRH", probs_BKGRS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
-      )
-      return new_max_BKGR, sum_BKGR, out_BKGRH
-
-    def merge(rows, *kv):
-      """`merge_rows`, by query chunks (axis 1 of q, ids and positions; axis 3 of the running state), one at a time,
-      when the sequence is long."""
-      if chunk is None:
-        return merge_rows(rows, *kv)
-      n = rows[0].shape[1] // chunk
-      split = lambda x, axis: jnp.moveaxis(x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1 :]), axis, 0)  # noqa: E731
-      joined = lambda x, axis: jnp.moveaxis(x, 0, axis).reshape(*x.shape[1 : axis + 1], -1, *x.shape[axis + 2 :])  # noqa: E731
-      q_BRKGH, q_index_BR, segments_BR, running = rows
-      chunks = (split(q_BRKGH, 1), split(q_index_BR, 1), split(segments_BR, 1), tuple(split(r, 3) for r in running))
-      merged = jax.lax.map(jax.checkpoint(lambda rows: merge_rows(rows, *kv)), chunks)
-      return tuple(joined(r, 3) for r in merged)
-
-    # Each block's merge is rematerialised in the backward pass: only the running (max, sum, output) of each step
-    # are kept, not its [C, C] scores (BENCHMARKS.md, "Figures behind the code").
-    @functools.partial(jax.checkpoint, static_argnums=(0,))
-    def merge_block(step, running, k_BSKH, v_BSKH, kv_segments_BS):
-      # Step 0 is the device's own block, where every query sees itself: the running max is a real score from
-      # then on, so a later fully masked block adds exp(MASK_VALUE - max) = 0.
-      source = (index - step) % shards
-      kv = (k_BSKH, v_BSKH, kv_segments_BS, token_index(source))
-      rows = (q_BCKGH, q_index_BC, segments_BC, running)
-      if strategy != "zigzag" or step == 0:
-        return merge(rows, *kv)
-      # From an earlier device (source < index) the visible half is its early chunk against all this device's
-      # queries; from a later one, its whole block against this device's late chunk. Both are two [C/2, C/2]
-      # merges with one in common, the late queries against the early keys; the other pairs early queries with
-      # early keys, or late with late: the same slice offset of queries and keys, chosen on device. (A lax.cond
-      # between the two cases kept both cases' residuals for the backward pass: BENCHMARKS.md, "Figures behind the
-      # code".)
-      half = block // 2
-
-      def merge_slice(running, row_start, kv_start):
-        rows_at = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, row_start, half, axis)  # noqa: E731
-        rows = (rows_at(q_BCKGH, 1), rows_at(q_index_BC, 1), rows_at(segments_BC, 1), [rows_at(r, 3) for r in running])
-        keys = [jax.lax.dynamic_slice_in_dim(x, kv_start, half, 1) for x in (k_BSKH, v_BSKH, kv_segments_BS)]
-        merged = merge(rows, *keys, jax.lax.dynamic_slice_in_dim(kv[3], kv_start, half))
-        return tuple(jax.lax.dynamic_update_slice_in_dim(r, m, row_start, 3) for r, m in zip(running, merged))
-
-      running = merge_slice(running, half, 0)
-      same = jnp.where(source < index, 0, half)
-      return merge_slice(running, same, same)
-
-    # Running max, softmax denominator and unnormalised output of each query row, in float32.
-    running = (
-      jnp.full((b, n_kv_heads, groups, block), attention_lib.MASK_VALUE, jnp.float32),
-      jnp.zeros((b, n_kv_heads, groups, block), jnp.float32),
-      jnp.zeros((b, n_kv_heads, groups, block, head_dim), jnp.float32),
-    )
-    kv = (k_BCKH, v_BCKH, segments_BC)
-    for step in range(shards):
-      running = merge_block(step, running, *kv)
-      if step < shards - 1:
-        kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)
-    _, sum_BKGC, out_BKGCH = running
-    out_BKGCH = out_BKGCH / sum_BKGC[..., None]
-    return out_BKGCH.transpose(0, 3, 1, 2, 4).reshape(q_BCNH.shape).astype(q_BCNH.dtype)
+  slices = Slices(axes, shards, q_len, block, head_dim, chunk, zigzag=strategy == "zigzag")
 
   specs = sharding.active_specs(
     {
@@ -359,25 +275,19 @@ def context_attention(
     mask_spec = splash.manual_sharding_spec(
       jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(None, axes))
     )
-
-    def gathered_splash(splash, q_BCNH, k_BCKH, v_BCKH, segments_BC):
-      (segments_BS,) = gather_sequence(segments_BC)
-      k_BSKH, v_BSKH = (_gather_slices(x, axes, shards) for x in (k_BCKH, v_BCKH))
-      return attention_lib.splash_per_device(splash, q_BCNH, k_BSKH, v_BSKH, segments_BC, segments_BS)
-
     run = jax.shard_map(
-      gathered_splash,
+      functools.partial(gathered_splash, slices),
       in_specs=(mask_spec, specs["q"], specs["kv"], specs["kv"], specs["seg"]),
       out_specs=specs["q"],
       check_vma=False,
     )
     return run(splash, q_BTNH, k_BSKH, v_BSKH, segment_ids)
   if strategy == "all_gather":
-    per_device = gathered
+    per_device = functools.partial(gathered_xla, slices)
   elif kernel == "splash":  # the ring's or zigzag's blocks by splash
-    per_device = functools.partial(splash_ring, zigzag=strategy == "zigzag", interpret=interpret)
+    per_device = functools.partial(splash_ring, zigzag=slices.zigzag, interpret=interpret)
   else:
-    per_device = ring
+    per_device = functools.partial(ring_xla, slices)
   run = jax.shard_map(
     per_device,
     in_specs=(specs["q"], specs["kv"], specs["kv"], specs["seg"]),
@@ -385,6 +295,136 @@ def context_attention(
     check_vma=False,
   )
   return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
+
+
+def gathered_xla(s: Slices, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array) -> Array:
+  """ "all_gather" by the XLA kernel, on one device: its C queries against the whole gathered sequence, masked by
+  global index (by query chunks when `s.chunk`)."""
+  first = jax.lax.axis_index(s.axes) * s.block
+  k_BSKH, v_BSKH, segments_BS = (_all_gather(x, s.axes) for x in (k_BCKH, v_BCKH, segments_BC))
+  kv_positions_BS = jnp.broadcast_to(jnp.arange(s.q_len, dtype=jnp.int32), segments_BS.shape)
+
+  def attend(q_BRNH, segments_BR, start):
+    q_positions_BR = jnp.broadcast_to(start + jnp.arange(q_BRNH.shape[1], dtype=jnp.int32), segments_BR.shape)
+    return attention_lib.xla_attention(
+      q_BRNH,
+      k_BSKH,
+      v_BSKH,
+      q_segment_ids=segments_BR,
+      kv_segment_ids=segments_BS,
+      q_positions=q_positions_BR,
+      kv_positions=kv_positions_BS,
+    )
+
+  if s.chunk is None:
+    return attend(q_BCNH, segments_BC, first)
+  return attention_lib.map_query_chunks(attend, q_BCNH, segments_BC, s.chunk, first)
+
+
+def gathered_splash(s: Slices, splash, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array) -> Array:
+  """ "all_gather" by splash, on one device: its queries against the gathered keys, by the kernel's share of the
+  mask tables (`splash`); the keys' and values' gradients reduce-scattered to their slices (`_gather_slices`)."""
+  segments_BS = _all_gather(segments_BC, s.axes)
+  k_BSKH, v_BSKH = (_gather_slices(x, s.axes, s.shards) for x in (k_BCKH, v_BCKH))
+  return attention_lib.splash_per_device(splash, q_BCNH, k_BSKH, v_BSKH, segments_BC, segments_BS)
+
+
+def _token_index(s: Slices, device: Array) -> Array:
+  """The global indices [C] of the tokens a device holds."""
+  if not s.zigzag:
+    return device * s.block + jnp.arange(s.block, dtype=jnp.int32)
+  half = jnp.arange(s.block // 2, dtype=jnp.int32)
+  return jnp.concatenate([device * (s.block // 2) + half, (2 * s.shards - 1 - device) * (s.block // 2) + half])
+
+
+def _merge_rows(head_dim: int, rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S):
+  """One block of keys merged into some query rows' running (max, sum, output) [B, K, G, R(, H)]."""
+  q_BRKGH, q_index_BR, segments_BR, (max_BKGR, sum_BKGR, out_BKGRH) = rows
+  scores_BKGRS = jnp.einsum("BRKGH,BSKH->BKGRS", q_BRKGH, k_BSKH, preferred_element_type=jnp.float32)
+  scores_BKGRS = scores_BKGRS * (1.0 / np.sqrt(head_dim))
+  visible_BRS = (kv_index_S[None, None, :] <= q_index_BR[:, :, None]) & (
+    segments_BR[:, :, None] == kv_segments_BS[:, None, :]
+  )
+  scores_BKGRS = jnp.where(visible_BRS[:, None, None], scores_BKGRS, attention_lib.MASK_VALUE)
+  new_max_BKGR = jnp.maximum(max_BKGR, scores_BKGRS.max(axis=-1))
+  probs_BKGRS = jnp.exp(scores_BKGRS - new_max_BKGR[..., None])
+  rescale_BKGR = jnp.exp(max_BKGR - new_max_BKGR)
+  sum_BKGR = sum_BKGR * rescale_BKGR + probs_BKGRS.sum(axis=-1)
+  out_BKGRH = out_BKGRH * rescale_BKGR[..., None] + jnp.einsum(
+    "BKGRS,BSKH->BKGRH", probs_BKGRS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
+  )
+  return new_max_BKGR, sum_BKGR, out_BKGRH
+
+
+def _merge(s: Slices, rows, *kv):
+  """`_merge_rows`, by query chunks (axis 1 of q, ids and positions; axis 3 of the running state), one at a time,
+  when the sequence is long."""
+  if s.chunk is None:
+    return _merge_rows(s.head_dim, rows, *kv)
+  n, chunk = rows[0].shape[1] // s.chunk, s.chunk
+  split = lambda x, axis: jnp.moveaxis(x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1 :]), axis, 0)  # noqa: E731
+  joined = lambda x, axis: jnp.moveaxis(x, 0, axis).reshape(*x.shape[1 : axis + 1], -1, *x.shape[axis + 2 :])  # noqa: E731
+  q_BRKGH, q_index_BR, segments_BR, running = rows
+  chunks = (split(q_BRKGH, 1), split(q_index_BR, 1), split(segments_BR, 1), tuple(split(r, 3) for r in running))
+  merged = jax.lax.map(jax.checkpoint(lambda rows: _merge_rows(s.head_dim, rows, *kv)), chunks)
+  return tuple(joined(r, 3) for r in merged)
+
+
+# Each block's merge is rematerialised in the backward pass: only the running (max, sum, output) of each step are
+# kept, not its [C, C] scores (BENCHMARKS.md, "Figures behind the code").
+@functools.partial(jax.checkpoint, static_argnums=(0, 1))
+def _merge_block(s: Slices, step: int, index, queries, running, k_BSKH, v_BSKH, kv_segments_BS):
+  """Step `step` of the ring on device `index`: the block of keys that came from `step` devices back merged into
+  this device's `queries` (q [B, C, K, G, H], their global indices and segment ids) and `running` state."""
+  q_BCKGH, q_index_BC, segments_BC = queries
+  # Step 0 is the device's own block, where every query sees itself: the running max is a real score from then on,
+  # so a later fully masked block adds exp(MASK_VALUE - max) = 0.
+  source = (index - step) % s.shards
+  kv = (k_BSKH, v_BSKH, kv_segments_BS, _token_index(s, source))
+  if not s.zigzag or step == 0:
+    return _merge(s, (q_BCKGH, q_index_BC, segments_BC, running), *kv)
+  # From an earlier device (source < index) the visible half is its early chunk against all this device's queries;
+  # from a later one, its whole block against this device's late chunk. Both are two [C/2, C/2] merges with one in
+  # common, the late queries against the early keys; the other pairs early queries with early keys, or late with
+  # late: the same slice offset of queries and keys, chosen on device. (A lax.cond between the two cases kept both
+  # cases' residuals for the backward pass: BENCHMARKS.md, "Figures behind the code".)
+  half = s.block // 2
+
+  def merge_slice(running, row_start, kv_start):
+    rows_at = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, row_start, half, axis)  # noqa: E731
+    rows = (rows_at(q_BCKGH, 1), rows_at(q_index_BC, 1), rows_at(segments_BC, 1), [rows_at(r, 3) for r in running])
+    keys = [jax.lax.dynamic_slice_in_dim(x, kv_start, half, 1) for x in (k_BSKH, v_BSKH, kv_segments_BS)]
+    merged = _merge(s, rows, *keys, jax.lax.dynamic_slice_in_dim(kv[3], kv_start, half))
+    return tuple(jax.lax.dynamic_update_slice_in_dim(r, m, row_start, 3) for r, m in zip(running, merged))
+
+  running = merge_slice(running, half, 0)
+  same = jnp.where(source < index, 0, half)
+  return merge_slice(running, same, same)
+
+
+def ring_xla(s: Slices, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array) -> Array:
+  """ "ring" or "zigzag" by the XLA kernel, on one device: its queries stay, the blocks of keys and values go round
+  the ring, each merged into the running softmax (`_merge_block`)."""
+  index = jax.lax.axis_index(s.axes)
+  b, n_kv_heads = q_BCNH.shape[0], k_BCKH.shape[2]
+  q_BCKGH = q_BCNH.reshape(b, s.block, n_kv_heads, -1, s.head_dim)
+  groups = q_BCKGH.shape[3]
+  queries = (q_BCKGH, jnp.broadcast_to(_token_index(s, index), segments_BC.shape), segments_BC)
+  to_next = [(i, (i + 1) % s.shards) for i in range(s.shards)]
+  # Running max, softmax denominator and unnormalised output of each query row, in float32.
+  running = (
+    jnp.full((b, n_kv_heads, groups, s.block), attention_lib.MASK_VALUE, jnp.float32),
+    jnp.zeros((b, n_kv_heads, groups, s.block), jnp.float32),
+    jnp.zeros((b, n_kv_heads, groups, s.block, s.head_dim), jnp.float32),
+  )
+  kv = (k_BCKH, v_BCKH, segments_BC)
+  for step in range(s.shards):
+    running = _merge_block(s, step, index, queries, running, *kv)
+    if step < s.shards - 1:
+      kv = tuple(jax.lax.ppermute(x, s.axes, to_next) for x in kv)
+  _, sum_BKGC, out_BKGCH = running
+  out_BKGCH = out_BKGCH / sum_BKGC[..., None]
+  return out_BKGCH.transpose(0, 3, 1, 2, 4).reshape(q_BCNH.shape).astype(q_BCNH.dtype)
 
 
 def _all_gather(x_BC: Array, axes: tuple[str, ...]) -> Array:
