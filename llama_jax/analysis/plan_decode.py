@@ -197,7 +197,7 @@ def widened_weight_bytes(hlo_text: str) -> int:
   """Bytes of float32 copies of whole narrower entry parameters made in the entry computation: how XLA:CPU, which
   has no bf16 / int8 matmul, runs bf16 or int8 weights. In the decode loop they are hoisted before the loop and
   carried through it, so all are alive at its peak; in the prefill (no loop) that all are alive at the peak is an
-  assumption (the CPU temporaries there exceeded the copies (BENCHMARKS.md, "Figures behind the code"))."""
+  assumption: the CPU temporaries there exceeded the copies (BENCHMARKS.md, "Figures behind the code")."""
   entry = hlo_text[hlo_text.index("\nENTRY") :].split("\n}", 1)[0].splitlines()
   narrow = {}
   for line in entry:
