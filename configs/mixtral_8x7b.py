@@ -4,8 +4,8 @@ per token (top-2 of 8 SwiGLU experts in every block), 8 kv heads, RoPE θ 1,000,
 Trained here at 4,096 tokens per sequence, 64 sequences per step (the 7B preset's 262,144 tokens), bf16 compute
 with float32 parameters and full rematerialisation, on a Cloud TPU v5p-128 slice (64 chips): experts over an expert
 axis of 4 (2 experts per chip), everything else FSDP over the other 16. `python -m llama_jax.plan --config
-configs/mixtral_8x7b.py --topology v5p-128` puts the step at 24.4 GiB per chip (dropless exchange; README, "Mixture
-of experts"). The balance-loss weight is Mixtral's released router_aux_loss_coef (0.02). To fine-tune the
+configs/mixtral_8x7b.py --topology v5p-128` puts the step at 24.4 GiB per chip (dropless exchange;
+docs/guides/moe.md). The balance-loss weight is Mixtral's released router_aux_loss_coef (0.02). To fine-tune the
 released weights, convert them (`python -m llama_jax.convert --from_hf`) and pass `--config.init_from=DIR`; their
 config must equal this one."""
 

@@ -19,7 +19,7 @@ def get_config():
   # chatterbot's English question-and-answer pairs: short answers whose topic follows from the question, the clearest
   # on/off-topic contrast for a 1.3M model. On both shipped sets (chitchat's long, loosely related answers too), 100
   # steps at lr 1e-4, β 0.1 left the held-out reward accuracy at 0.495 (275 pairs); on these, β 0.5 and lr 3e-4 took
-  # it to 0.83 by step 50 (86 held-out pairs; README "Preference tuning").
+  # it to 0.83 by step 50 (86 held-out pairs; docs/guides/fine-tuning.md, "Preference tuning").
   cfg.data.update(
     format="preference",
     sources=("pairs:chatterbot:english",),

@@ -1,10 +1,11 @@
 """The README's picture of the chat page: a checkpoint served by ``python -m llama_jax.serve`` on 127.0.0.1, a
 conversation typed into the page by headless Chromium (selenium), greedy, and a screenshot once the last reply is done.
 
-    python docs/chat_screenshot.py --checkpoint runs/smollm2-135m-instruct --out docs/serve_chat.png
+    python docs/chat_screenshot.py --checkpoint runs/smollm2-135m-instruct --out docs/images/serve_chat.png
 
-docs/serve_chat.png is SmolLM2-135M-Instruct converted from HF (README: "Serving"), with the system prompt and turns
-below. Needs chromium and chromedriver (apt-get install chromium chromium-driver) and selenium (the test extra).
+docs/images/serve_chat.png is SmolLM2-135M-Instruct converted from HF (docs/guides/serving.md), with the system
+prompt and turns below. Needs chromium and chromedriver (apt-get install chromium chromium-driver)
+and selenium (the test extra).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ return replies.length > 0 && replies[replies.length - 1].dataset.done === "1";
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", required=True)
-  parser.add_argument("--out", default="docs/serve_chat.png")
+  parser.add_argument("--out", default="docs/images/serve_chat.png")
   parser.add_argument("--model_name", default="smollm2-135m-instruct")
   parser.add_argument("--max_tokens", type=int, default=80)
   args = parser.parse_args()

@@ -139,8 +139,8 @@ class ModelConfig:
   # With loss_chunk, how the LM head's weights reach the chunks (when an fsdp axis splits them): none (gathered in
   # each chunk's forward and rematerialised forward, its gradient reduced in each chunk's backward) | weights
   # (gathered once per step for every chunk; the gradient still reduced per chunk) | weights_and_gradient (also the
-  # float32 gradient accumulated whole and reduced once). What each costs and saves on Llama 3 8B: README, "Long
-  # context".
+  # float32 gradient accumulated whole and reduced once). What each costs and saves on Llama 3 8B:
+  # docs/guides/long-context.md.
   loss_head_once: str = "none"
   init_std: float = 0.02
   # none | int8: projections and the embedding stored as int8 with a float32 scale per output channel (see

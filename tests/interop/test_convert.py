@@ -241,7 +241,7 @@ ROPE_SCALINGS = {
 def test_to_hf_writes_rope_scaling_and_transformers_gives_the_same_logits(tmp_path, scaling):
   """A rope-scaled llama_jax checkpoint exported with to_hf: config.json carries `rope_scaling` as transformers
   names it, and the LlamaForCausalLM that transformers builds from the directory gives llama_jax's logits (float32,
-  1e-4 as the README states) at 64 tokens, past llama3's 32-token original context. Without the scaling the
+  1e-4 as docs/guides/weights.md states) at 64 tokens, past llama3's 32-token original context. Without the scaling the
   logits move by 5e-3 (llama3) to 8e-3 (linear), checked below, so the comparison cannot pass with it dropped."""
   changes, expected_rope_scaling = ROPE_SCALINGS[scaling]
   cfg = CFG.replace(**changes)
@@ -428,7 +428,7 @@ MEMORY_ALLOWANCE = 32 * 2**20
 def test_conversion_streams_within_1_3x_of_the_model_bytes(tmp_path):
   """bench/convert_memory.py on an 87 MB float32 model (dim 512, 4 layers, vocab 8000), each direction in a fresh
   process: the conversion adds at most 1.3x the model's bytes + MEMORY_ALLOWANCE to the process's resident memory
-  (the README's figures come from the same bench at 1.5 GB). Before streaming: 2.0x (to_hf) and 3.8x (from_hf)."""
+  (the docs' figures come from the same bench at 1.5 GB). Before streaming: 2.0x (to_hf) and 3.8x (from_hf)."""
   from bench import convert_memory
 
   report = convert_memory.measure(dim=512, n_layers=4, vocab_size=8000, workdir=str(tmp_path), parallel=True)

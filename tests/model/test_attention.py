@@ -168,7 +168,7 @@ BF16_KERNELS = {
 
 @pytest.mark.parametrize("kernel", BF16_KERNELS)
 def test_bf16_attention_keeps_scores_and_softmax_in_float32(kernel):
-  """With bf16 q, k, v every XLA kernel computes q·k and the softmax in float32 (README: "attention scores and
+  """With bf16 q, k, v every XLA kernel computes q·k and the softmax in float32 (model guide: "attention scores and
   softmax ... are float32 whatever the compute dtype"); only the probabilities fed to the ·v product and the output
   are rounded to bf16.
 
@@ -193,7 +193,7 @@ def test_bf16_attention_keeps_scores_and_softmax_in_float32(kernel):
 def test_explicit_accelerator_kernel_on_cpu_warns_and_falls_back_with_equal_numbers(
   caplog, requested, length, segments, fallback
 ):
-  """README: "An explicit cudnn/splash that does not apply falls back with a warning, so every config also runs on
+  """Model guide: "An explicit cudnn/splash that does not apply falls back with a warning, so every config also runs on
   CPU". The fallback is one of the exact XLA kernels, so it equals the whole-scores reference to rounding (1e-6)."""
   q, k, v = random_qkv(length=length, head_dim=16)
   segment_ids = jnp.asarray([[1] * 50 + [2] * (length - 60) + [0] * 10, [1] * length]) if segments else None
@@ -228,7 +228,7 @@ def primitive_names(jaxpr) -> set[str]:
 
 
 def test_chunked_attention_rematerialises_from_long_sequence_tokens():
-  """README: "from 2,048 tokens each chunk is rematerialised, so memory grows with T·chunk rather than T²".
+  """Model guide: "from 2,048 tokens each chunk is rematerialised, so memory grows with T·chunk rather than T²".
 
   Checked on the traced program of attention(implementation="auto") on CPU, from abstract shapes (nothing runs): a
   `lax.map` (scan) over `jax.checkpoint`ed chunks (primitive "remat2") at LONG_SEQUENCE tokens, the unrolled chunk

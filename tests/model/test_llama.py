@@ -326,7 +326,7 @@ def bf16_config(**changes) -> ModelConfig:
 
 
 def test_bf16_rmsnorm_statistics_are_float32():
-  """README: norm statistics are float32 whatever the compute dtype. The reference squares, averages and takes the
+  """Model guide: norm statistics are float32 whatever the compute dtype. The reference squares, averages and takes the
   reciprocal root in float32 numpy from the bf16 inputs, rounds the normalised value once to bf16 and multiplies by
   the bf16 scale (one more rounding): bit-identical output but for rounding ties. Squaring and averaging in
   bf16 instead rounds twice more and changes ~27% of the outputs by one bf16 step."""
@@ -348,7 +348,7 @@ def test_bf16_rmsnorm_statistics_are_float32():
 
 
 def test_bf16_rope_angles_are_float32():
-  """README: RoPE angles are float32. At positions 3,000–7,000 a bf16 position (8 mantissa bits) is off by up to
+  """Model guide: RoPE angles are float32. At positions 3,000–7,000 a bf16 position (8 mantissa bits) is off by up to
   16 tokens, i.e. whole radians, while float32 angles are within ~5e-4 rad. Against a float64 rotation of the same
   bf16 inputs the only error left is the bf16 rounding of the output (|x| ≤ ~4.3, so ≤ ~0.01; measured 0.009);
   bf16 angles measured 5.2."""
@@ -367,7 +367,7 @@ def test_bf16_rope_angles_are_float32():
 
 
 def test_bf16_model_returns_float32_logits_from_a_float32_accumulated_head():
-  """README: the logits are float32 with a bf16 compute dtype. Not merely cast up at the end: the LM head's
+  """Model guide: the logits are float32 with a bf16 compute dtype. Not merely cast up at the end: the LM head's
   products accumulate into float32 (preferred_element_type), so the logits carry more than bf16's 8 mantissa bits;
   a bf16 product cast to float32 would leave every logit exactly representable in bf16."""
   cfg = bf16_config(n_kv_heads=2)
@@ -381,7 +381,7 @@ def test_bf16_model_returns_float32_logits_from_a_float32_accumulated_head():
 
 @pytest.mark.parametrize("param_dtype", ["bfloat16", "float16"])
 def test_half_precision_param_dtype_is_the_storage_dtype_in_the_model_and_the_checkpoint(tmp_path, param_dtype):
-  """README: `dtype` (compute) is separate from `param_dtype` (storage). With half-precision storage and float32
+  """Model guide: `dtype` (compute) is separate from `param_dtype` (storage). With half-precision storage and float32
   compute: the model's initialisation creates every parameter in param_dtype, a checkpoint restored by
   checkpoint.load_params gives them back in it bit for bit, and the forward pass computes in float32 from the
   stored values: it equals a float32-stored model holding the same (widened) values to float32 rounding (1e-6),

@@ -1,7 +1,7 @@
 """The house rules of the package layout, checked rather than hoped for: the layers (import-linter's contracts), no
 command line inside the library, no private name reached across modules, no llama_jax import hidden inside a
-function, files of one concern, public names that resolve, and a README tour that names every folder, module and
-command there is."""
+function, files of one concern, public names that resolve, and a layout page (docs/design/layout.md) that names
+every folder, module and command there is."""
 
 import ast
 import importlib
@@ -107,24 +107,23 @@ def test_every_public_name_resolves(package):
     assert getattr(module, name) is not None, f"{package}.{name}"
 
 
-def readme_tour() -> str:
-  text = (pathlib.Path(ROOT) / "README.md").read_text()
-  return text[text.index("## Tour") : text.index("### Run configs")]
+def layout_page() -> str:
+  return (pathlib.Path(ROOT) / "docs/design/layout.md").read_text()
 
 
-def test_the_readme_tour_names_every_folder_module_and_command():
-  """The tour's table has one line per layer folder, naming every module in it, and one line per command module;
-  nothing it names is missing from the tree."""
-  tour = readme_tour()
+def test_the_layout_page_names_every_folder_module_and_command():
+  """The documentation's layout table (docs/design/layout.md) has one line per layer folder, naming every module in
+  it, and one line per command module; nothing it names is missing from the tree."""
+  tour = layout_page()
   rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `llama_jax/([\w/.]+)` \| (.*) \|$", tour, flags=re.M)}
   for layer in LAYERS:
-    assert f"{layer}/" in rows, f"the README tour has no line for llama_jax/{layer}/"
+    assert f"{layer}/" in rows, f"the layout page has no line for llama_jax/{layer}/"
     files = sorted(p.stem for p in (PACKAGE / layer).glob("*.py") if p.stem != "__init__")
     named = set(re.findall(r"`(\w+)\.py`", rows[f"{layer}/"]))
     assert named == set(files), f"llama_jax/{layer}/: the tour names {sorted(named)}, the folder holds {files}"
   for command in COMMANDS:
-    assert f"{command}.py" in rows, f"the README tour has no line for llama_jax/{command}.py"
+    assert f"{command}.py" in rows, f"the layout page has no line for llama_jax/{command}.py"
   front_door = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__", "cli"}
   assert front_door == set(COMMANDS), f"commands at the front door: {sorted(front_door)}"
   for row in rows:
-    assert (PACKAGE / row).exists(), f"the README tour names llama_jax/{row}, which does not exist"
+    assert (PACKAGE / row).exists(), f"the layout page names llama_jax/{row}, which does not exist"
