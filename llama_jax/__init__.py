@@ -31,7 +31,7 @@ _PUBLIC = {
   "LlamaJaxError": "llama_jax.core.errors",
   "Llama": "llama_jax.model.llama",
   "KVCache": "llama_jax.model.kv_cache",
-  "Tokenizer": "llama_jax.data.tokenizer",
+  "Tokenizer": "llama_jax.data.tokenization",
   "load_params": "llama_jax.checkpoint.params",
   "Trainer": "llama_jax.training.trainer",
   "Sampler": "llama_jax.inference.sampler",

@@ -12,7 +12,7 @@ nothing, report per-device memory, collectives and kernels, and whether it fits 
   on any host and with no TPU: the TPU kernels (splash attention) are in the program, and memory, collectives and
   fusion are the TPU compiler's own.
 
-The plans are ``analysis/plan.py`` (training) and ``analysis/plan_decode.py`` (decoding).
+The plans are ``analysis/train_plan.py`` (training) and ``analysis/decode_plan.py`` (decoding).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import jax
 from absl import flags
 
 from llama_jax import cli
-from llama_jax.analysis import plan as train_plan
-from llama_jax.analysis import plan_decode
+from llama_jax.analysis import decode_plan, train_plan
 from llama_jax.analysis.tpu import TOPOLOGIES, TPU_AOT_INSTALL, tpu_devices
 from llama_jax.core.errors import FlagError, run_or_exit
 
@@ -121,7 +120,7 @@ def _plan_decoding(given, run_config) -> None:
         raise FlagError(f"--devices {given.devices} is more than the {len(devices)} chips of {given.topology}")
       devices = devices[: given.devices]
   max_len = run_config.model.max_seq_len if given.max_len is None else given.max_len
-  result = plan_decode.plan(
+  result = decode_plan.plan(
     run_config,
     devices,
     given.batch,
@@ -132,10 +131,10 @@ def _plan_decoding(given, run_config) -> None:
     prefill_len=given.prefill_len,
     prefill_chunk=given.prefill_chunk or 0,
   )
-  print(plan_decode.report(result, given.hbm_gib))
+  print(decode_plan.report(result, given.hbm_gib))
   if given.json:
     with open(given.json, "w") as f:
-      json.dump(plan_decode.to_json(result), f, indent=2)
+      json.dump(decode_plan.to_json(result), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 from llama_jax import cli
 from llama_jax.core import distributed
 from llama_jax.core.errors import FlagError, run_or_exit
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.inference import placement
 from llama_jax.inference.console import TextStream, chat_session, interactive_turns
 from llama_jax.inference.sampler import Sampler, describe_placement, load_sampler

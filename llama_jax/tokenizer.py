@@ -2,7 +2,7 @@
 
     python -m llama_jax.tokenizer --input PATHS [PATHS ...] --vocab_size N --out DIR [--overwrite]
 
-Lossless (byte fallback, no normalisation) in Meta's layout: unk=0, bos=1, eos=2, no pad (``data/tokenizer.py``).
+Lossless (byte fallback, no normalisation) in Meta's layout: unk=0, bos=1, eos=2, no pad (``data/tokenization.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from llama_jax.cli import ArgumentParser
 from llama_jax.core.errors import run_or_exit
 from llama_jax.core.paths import TOKENIZER_FILE
-from llama_jax.data.tokenizer import Tokenizer, corpus_stats, expand_inputs, train_tokenizer
+from llama_jax.data.tokenization import Tokenizer, corpus_stats, expand_inputs, train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

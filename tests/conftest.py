@@ -213,7 +213,7 @@ def small_tokenizer(tmp_path_factory):
   """A 512-token BPE tokenizer trained once on two short texts (seconds)."""
   require_shakespeare()
   from llama_jax.data import sources as data
-  from llama_jax.data import tokenizer
+  from llama_jax.data import tokenization as tokenizer
 
   out = tmp_path_factory.mktemp("tokenizer")
   corpus = out / "corpus.txt"

@@ -25,7 +25,7 @@ from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.data import chat_template
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.model import attention as attention_lib
 from llama_jax.model import sharding
 from llama_jax.model.llama import Block, Llama, stacked_unit

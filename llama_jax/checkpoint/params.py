@@ -30,7 +30,7 @@ from llama_jax.checkpoint.digests import CheckpointError, checked_step, restore_
 from llama_jax.core import paths
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.core.run_config import LoraConfig
-from llama_jax.data.tokenizer import TokenizerBase
+from llama_jax.data.tokenization import TokenizerBase
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from llama_jax.model import lora, sharding
 from llama_jax.model.llama import Llama

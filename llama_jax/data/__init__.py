@@ -4,8 +4,8 @@ template, the prepared-data cache every format shares, batches, and the data of 
 from llama_jax.core.lazy import exports
 
 _PUBLIC = {
-  "Tokenizer": "llama_jax.data.tokenizer",
-  "train_tokenizer": "llama_jax.data.tokenizer",
+  "Tokenizer": "llama_jax.data.tokenization",
+  "train_tokenizer": "llama_jax.data.tokenization",
   "resolve_sources": "llama_jax.data.sources",
   "DataError": "llama_jax.data.sources",
   "prepare": "llama_jax.data.text",

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 from llama_jax.core import paths
 from llama_jax.core.errors import LlamaJaxError
-from llama_jax.data.tokenizer import decode_utf8_counting
+from llama_jax.data.tokenization import decode_utf8_counting
 
 TEXT, JSONL, JSONL_GZ, JSONL_ZST = "text", "jsonl", "jsonl.gz", "jsonl.zst"
 PARQUET, ARRAY_RECORD = "parquet", "array_record"

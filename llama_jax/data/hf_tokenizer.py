@@ -19,7 +19,7 @@ import tokenizers
 
 from llama_jax.core import paths
 from llama_jax.core.paths import HF_TOKENIZER_FILE, SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE
-from llama_jax.data.tokenizer import TokenizerBase, TokenizerError, json_side_file
+from llama_jax.data.tokenization import TokenizerBase, TokenizerError, json_side_file
 
 _SPACE = "\u2581"  # "▁": the sentencepiece-style space of Metaspace pre-tokenizers
 

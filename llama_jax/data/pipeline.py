@@ -34,7 +34,7 @@ from llama_jax.core.run_config import RunConfig
 from llama_jax.data import token_shards
 from llama_jax.data.formats import TEXT, DataError, file_format, iter_records
 from llama_jax.data.sources import document_id, file_identity, held_out, list_files
-from llama_jax.data.tokenizer import TokenizerBase
+from llama_jax.data.tokenization import TokenizerBase
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
 
 

@@ -15,7 +15,7 @@ from llama_jax.core import distributed, paths
 from llama_jax.core.run_config import RunConfig
 from llama_jax.data import preference, sft, sources, streaming, text, token_shards
 from llama_jax.data.prepared import PackedRows
-from llama_jax.data.tokenizer import Tokenizer, TokenizerBase, train_tokenizer
+from llama_jax.data.tokenization import Tokenizer, TokenizerBase, train_tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir, load_tokenizer_path
 
 

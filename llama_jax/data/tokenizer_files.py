@@ -12,7 +12,7 @@ import os
 
 from llama_jax.core import paths
 from llama_jax.data.hf_tokenizer import HFTokenizer
-from llama_jax.data.tokenizer import Tokenizer, TokenizerBase, TokenizerError
+from llama_jax.data.tokenization import Tokenizer, TokenizerBase, TokenizerError
 
 
 def side_files_in(directory: str) -> dict[str, bytes]:

@@ -25,7 +25,7 @@ from llama_jax.core import paths
 from llama_jax.data import sources as sources_lib
 from llama_jax.data import text
 from llama_jax.data.batches import eval_batches
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.inference import placement
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core.model_config import ModelConfig
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.inference import placement
 from llama_jax.inference.sampling import SampleError, SamplingConfig, next_token
 from llama_jax.model import sharding

@@ -34,7 +34,7 @@ import numpy as np
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core import paths
 from llama_jax.core.model_config import ModelConfig
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.interop import safetensors_stream
 from llama_jax.interop.hf_config import (
   DTYPES_FROM_HF,

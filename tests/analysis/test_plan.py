@@ -212,18 +212,18 @@ def test_decode_plan_errors_are_one_line():
 def test_decode_plan_refuses_bad_values_before_compiling(kwargs, message):
   import jax
 
-  from llama_jax.analysis import plan_decode
+  from llama_jax.analysis import decode_plan
   from llama_jax.core.run_config import load_run_config
 
   args = dict(batch=8, max_len=64) | kwargs
   with pytest.raises(LlamaJaxError, match=message):
-    plan_decode.plan(load_run_config(f"{ROOT}/configs/tiny.py"), jax.devices()[:1], args.pop("batch"), **args)
+    decode_plan.plan(load_run_config(f"{ROOT}/configs/tiny.py"), jax.devices()[:1], args.pop("batch"), **args)
 
 
 SAMPLER_AGAINST_PLAN = """
 import json
 import jax, numpy as np
-from llama_jax.analysis import memory, plan_decode
+from llama_jax.analysis import memory, decode_plan
 from llama_jax.core.run_config import load_run_config, run_config_from
 from llama_jax.inference import placement as inference
 from llama_jax.inference.sampler import Sampler
@@ -236,8 +236,8 @@ _, params = sharding.abstract_params(Llama, model_cfg)
 host = jax.tree.map(lambda a: np.random.default_rng(0).normal(0, 0.02, a.shape).astype(a.dtype), params)
 out = {}
 for quantize in ("none", "int8"):
-  cfg, weights = plan_decode.decode_model(model_cfg, mesh, quantize=quantize)
-  cache = plan_decode.abstract_cache(cfg, mesh, inference.decode_rules(cfg, mesh), 6, 48)
+  cfg, weights = decode_plan.decode_model(model_cfg, mesh, quantize=quantize)
+  cache = decode_plan.abstract_cache(cfg, mesh, inference.decode_rules(cfg, mesh), 6, 48)
   sampler = Sampler(model_cfg, host, eos_id=2, mesh=mesh, quantize=quantize)
   out[quantize] = dict(
     plan=memory.device_bytes(weights) + memory.device_bytes(cache),
@@ -262,7 +262,7 @@ def test_decode_plan_bytes_match_a_real_sampler_on_the_same_mesh():
 
 
 def test_decode_plan_largest_batch_per_program_and_when_more_rows_did_not_compile():
-  from llama_jax.analysis.plan_decode import DecodePlan, ProgramMemory
+  from llama_jax.analysis.decode_plan import DecodePlan, ProgramMemory
 
   gib = 2**30
 
@@ -315,7 +315,7 @@ def test_plan_of_the_tiny_config_on_one_device_in_process():
   weight whole on the device, Adam's two moments beside them, no collectives, and the report's figures."""
   import jax
 
-  from llama_jax.analysis import plan as plan_lib
+  from llama_jax.analysis import train_plan as plan_lib
   from llama_jax.core.run_config import load_run_config
 
   run_config = load_run_config(f"{ROOT}/configs/tiny.py")
@@ -336,10 +336,10 @@ def test_decode_plan_of_the_tiny_config_on_one_device_in_process():
   accounting as the 8-device plan above, with data 1 × tensor 1), and the largest batch that fits."""
   import jax
 
-  from llama_jax.analysis import plan_decode
+  from llama_jax.analysis import decode_plan
   from llama_jax.core.run_config import load_run_config
 
-  plan = plan_decode.plan(load_run_config(f"{ROOT}/configs/tiny.py"), jax.devices()[:1], 8, 64)
+  plan = decode_plan.plan(load_run_config(f"{ROOT}/configs/tiny.py"), jax.devices()[:1], 8, 64)
   assert plan.weight_bytes == (TINY_PROJECTIONS + TINY_NORMS) * 4
   assert plan.cache_bytes == decode_cache_bytes(8, 64, data=1, tensor=1)
   for program in (plan.decode, plan.prefill):
@@ -360,6 +360,6 @@ def test_decode_plan_of_the_tiny_config_on_one_device_in_process():
 
   largest = plan.max_batch(16)
   assert largest > 8 and peak_at(largest) <= 16 * 2**30 < peak_at(largest + 1), largest
-  report = plan_decode.report(plan, hbm_gib=0.0001)
+  report = decode_plan.report(plan, hbm_gib=0.0001)
   assert "mesh      data 1 × fsdp 1 × expert 1 × context 1 × tensor 1 = 1 devices (cpu)" in report, report
   assert "0.0001 GiB: batch 8 does not fit" in report, report

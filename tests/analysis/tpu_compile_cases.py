@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import dataclasses  # noqa: E402  (the environment above must be set before jax starts)
 
 from llama_jax.analysis import hlo, tpu
-from llama_jax.analysis import plan as plan_lib
+from llama_jax.analysis import train_plan as plan_lib
 from llama_jax.core import run_config as run_config_lib
 
 # A GQA model whose shapes splash attention takes (head_dim 64, sequence a multiple of 128) and that every mesh below

@@ -16,7 +16,7 @@ from llama_jax.core.model_config import ModelConfig
 from llama_jax.data import chat_template as chat
 from llama_jax.data import sft as chat_data
 from llama_jax.data import sources as data
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.inference import console as chat_repl
 from llama_jax.inference.sampler import load_sampler
 from llama_jax.inference.sampling import SamplingConfig

@@ -16,7 +16,7 @@ import pytest
 
 from llama_jax.data import formats, sources, text
 from llama_jax.data.sources import DataError
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from tests import gcs_emulator
 from tests.conftest import META_TOKENIZER, ROOT, needs_shakespeare
 from tests.runs import assert_one_line_error, run_train, train_in_process

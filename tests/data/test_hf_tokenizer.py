@@ -13,7 +13,7 @@ import transformers
 
 from llama_jax.core import paths
 from llama_jax.data.hf_tokenizer import HFTokenizer
-from llama_jax.data.tokenizer import Tokenizer, TokenizerError
+from llama_jax.data.tokenization import Tokenizer, TokenizerError
 from llama_jax.data.tokenizer_files import load_tokenizer_dir, load_tokenizer_path
 from tests import hf_tokenizers
 

@@ -15,7 +15,7 @@ import transformers
 from llama_jax.core import paths
 from llama_jax.data import chat_template
 from llama_jax.data.jinja_chat import ChatTemplateError, JinjaChatTemplate
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from tests import hf_tokenizers
 

@@ -11,7 +11,7 @@ from llama_jax.core.checks import ConfigError
 from llama_jax.core.run_config import DataConfig
 from llama_jax.data import text
 from llama_jax.data.sources import DataError
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from tests.conftest import META_TOKENIZER, needs_shakespeare
 from tests.runs import assert_one_line_error, run_train, train_in_process
 

@@ -17,7 +17,7 @@ from array_record.python import array_record_module
 from llama_jax.data import text as text_lib
 from llama_jax.data import token_shards
 from llama_jax.data.sources import iter_documents, resolve_sources
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from tests import gcs_emulator
 from tests.conftest import ROOT, needs_shakespeare, require_beam
 from tests.runs import assert_one_line_error, run_module, run_train, train_in_process

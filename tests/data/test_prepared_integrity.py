@@ -14,7 +14,7 @@ import pytest
 from llama_jax.data import prepared as prepared_lib
 from llama_jax.data import sft, text
 from llama_jax.data import sources as sources_lib
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from tests.conftest import needs_shakespeare
 from tests.data.test_text import corpus, write
 from tests.runs import assert_one_line_error, train_in_process

@@ -18,7 +18,7 @@ from llama_jax.data import streaming
 from llama_jax.data import text as text_lib
 from llama_jax.data.formats import DataError
 from llama_jax.data.sources import list_files, read_document, resolve_sources
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from tests import gcs_emulator
 from tests.conftest import ROOT, needs_shakespeare
@@ -236,7 +236,7 @@ STREAM_READ = """
 import json, sys
 from llama_jax.data import streaming
 from llama_jax.data.sources import list_files
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 files = list_files([sys.argv[1]])
 data = streaming.StreamingDataset(
   [files], Tokenizer(sys.argv[2]), seq_len=16, global_batch=4, seed=3, workers=int(sys.argv[3]), shuffle_window=8

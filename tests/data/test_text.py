@@ -10,7 +10,7 @@ from llama_jax.data import batches as batches_lib
 from llama_jax.data import prepared as prepared_lib
 from llama_jax.data import sources
 from llama_jax.data import text as text_lib
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from tests.conftest import needs_shakespeare
 
 

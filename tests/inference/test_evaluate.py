@@ -13,7 +13,7 @@ from llama_jax import evaluate as evaluate_lib
 from llama_jax.checkpoint import params as checkpoint_params
 from llama_jax.core.model_config import ModelConfig
 from llama_jax.data import text as data_lib
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.inference import evaluation
 from llama_jax.model import llama as model_lib
 from tests.conftest import needs_shakespeare

@@ -112,7 +112,7 @@ def test_tokenizer_model_travels_with_the_checkpoint(tmp_path):
 def test_exported_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path):
   """AutoTokenizer on a --to_hf export (what lm-eval uses against the server) gives exactly llama_jax's ids, bos
   included, and decodes them back to the same text."""
-  from llama_jax.data.tokenizer import Tokenizer
+  from llama_jax.data.tokenization import Tokenizer
 
   _, hf_dir = save_hf(tmp_path, META_VOCAB_CFG)  # as many embedding rows as the tokenizer has tokens
   with open(TOKENIZER_FIXTURE, "rb") as src, open(os.path.join(hf_dir, "tokenizer.model"), "wb") as dst:

@@ -343,7 +343,7 @@ TRAINED = dict(vocab_size=512, ffn_hidden_dim=None, multiple_of=32)
 def token_stream(tokenizer_path: str, sources: list[str]) -> np.ndarray:
   from llama_jax.data import sources as sources_lib
   from llama_jax.data import text
-  from llama_jax.data.tokenizer import Tokenizer
+  from llama_jax.data.tokenization import Tokenizer
 
   return text.tokenize_documents(sources_lib.resolve_sources(sources), Tokenizer(tokenizer_path))
 

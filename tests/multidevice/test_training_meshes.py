@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from llama_jax.analysis import plan as plan_lib
+from llama_jax.analysis import train_plan as plan_lib
 from llama_jax.checkpoint import train_state as checkpoint_lib
 from llama_jax.core import model_config as model_config_lib
 from llama_jax.core import run_config as run_config_lib

@@ -24,7 +24,7 @@ from llama_jax.core.model_config import ModelConfig
 from llama_jax.data import chat_template as chat
 from llama_jax.data import preference, sft
 from llama_jax.data.sources import DataError
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenization import Tokenizer
 from llama_jax.interop import hf as convert
 from llama_jax.model import sharding
 from llama_jax.model.llama import Llama

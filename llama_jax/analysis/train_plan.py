@@ -1,5 +1,5 @@
 """Ahead-of-time plan of a training run: compile the real train step for a mesh, allocate nothing, report memory
-and collectives per device (``python -m llama_jax.plan`` is the command; plan_decode.py plans decoding).
+and collectives per device (``python -m llama_jax.plan`` is the command; decode_plan.py plans decoding).
 
 The state and batch are abstract (shapes, dtypes and shardings), the step is lowered and compiled, and the compiled
 program's memory analysis gives per-device bytes; its HLO gives the collectives per step (``hlo.summarize``).

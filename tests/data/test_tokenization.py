@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from llama_jax import tokenizer as tokenizer_command
 from llama_jax.core import paths
-from llama_jax.data import tokenizer as tokenizer_lib
-from llama_jax.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from llama_jax.data import tokenization as tokenizer_lib
+from llama_jax.data.tokenization import Tokenizer, TokenizerError, train_tokenizer
 from llama_jax.data.tokenizer_files import load_tokenizer_dir
 from tests import conftest, runs
 from tests.conftest import META_TOKENIZER as TOKENIZER_FIXTURE
