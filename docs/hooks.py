@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import importlib
@@ -162,6 +163,15 @@ def commands_reference() -> str:
 LAYERS = ("core", "model", "data", "checkpoint", "training", "inference", "serving", "interop", "analysis")
 
 
+def _public_names(package: str) -> tuple[str, dict[str, str]]:
+  """A package's docstring and its ``_PUBLIC`` map (name → defining module), read from this checkout's source."""
+  tree = ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text())
+  public = next(
+    node.value for node in tree.body if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_PUBLIC"
+  )
+  return ast.get_docstring(tree) or "", ast.literal_eval(public)
+
+
 def api_reference() -> str:
   """The Python API page: each layer's public names (its ``__init__``'s ``_PUBLIC``), rendered by mkdocstrings."""
   lines = [
@@ -171,12 +181,12 @@ def api_reference() -> str:
     "their docstrings. The [Python API guide](../guides/python-api.md) shows them in use.",
   ]
   for layer in ("", *LAYERS):
-    package = importlib.import_module(f"llama_jax.{layer}" if layer else "llama_jax")
-    doc = (inspect.getdoc(package) or "").split("\n\n")[0].replace("\n", " ")
-    lines += ["", f"## `{package.__name__}`", "", doc, ""]
-    for name, module in sorted(package._PUBLIC.items()):
+    package = f"llama_jax.{layer}" if layer else "llama_jax"
+    doc, public = _public_names(package)
+    lines += ["", f"## `{package}`", "", doc.split("\n\n")[0].replace("\n", " "), ""]
+    for name, module in sorted(public.items()):
       if not layer:  # the top level re-exports layers' names: a link to where its layer renders each
-        rendered = importlib.import_module(f"llama_jax.{module.split('.')[1]}")._PUBLIC[name]
+        rendered = _public_names(f"llama_jax.{module.split('.')[1]}")[1][name]
         lines.append(f"- [`llama_jax.{name}`](#{rendered}.{name})")
       elif module.split(".")[1] == layer:
         lines += ["", f"::: {module}.{name}", "    options:", "      heading_level: 3"]

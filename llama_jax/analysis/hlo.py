@@ -178,7 +178,19 @@ def collective_shapes(hlo: str) -> dict[tuple[str, str], int]:
 
 
 def summarize(hlo: str) -> ProgramSummary:
-  """Collectives and custom kernels per step of a compiled program's HLO text."""
+  """Collectives and custom kernels per step of a compiled program's HLO text.
+
+  Follows the calls from the entry computation: fusions, calls, conditionals' branches and while loops, whose body
+  counts once per trip as read from the loop's bound, so that a layer scan's collectives count once per layer. Counts
+  and bytes are per chip and per step; the module docstring says what the bytes measure.
+
+  Args:
+    hlo: XLA's optimized HLO text, ``compiled.as_text()``.
+
+  Returns:
+    A `ProgramSummary`: every kind of `COLLECTIVES` with its executions and bytes, zero counts included, and the TPU
+      custom-call kernels by name with their executions.
+  """
   computations, entry = _computations(hlo)
   multipliers: dict[str, int] = collections.defaultdict(int)
 

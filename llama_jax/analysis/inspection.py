@@ -96,9 +96,21 @@ def inspect_block(block: Block, x_BTD: jax.Array, positions_BT: jax.Array) -> tu
 
 
 def inspect_forward(model: Llama, tokens: Sequence[int]) -> Inspection:
-  """Runs one prompt through `model` and keeps what happens inside (see ``Inspection``). Eager, one prompt: it is
-  for looking, not for speed. One jitted call with the layers unrolled was slower for deep models (three 32-layer
-  initialisations: 35.6 s against 19.4 s eager, 2 cores), its compile costing more than op-by-op dispatch."""
+  """Runs one prompt through `model` and keeps what happens inside (see ``Inspection``).
+
+  Calls the model's own modules block by block, with each layer's attention probabilities formed explicitly, and
+  keeps the residual stream and what reads it; its logits equal the model's. Eager, one prompt: it is for looking, not
+  for speed. One jitted call with the layers unrolled was slower for deep models, its compile costing more than
+  op-by-op dispatch.
+
+  Args:
+    model: the model, its layers stacked or not.
+    tokens: the prompt's token ids, e.g. from `prompt_tokens`.
+
+  Returns:
+    The `Inspection`: float32 host arrays of the logits [T, V], each layer's attention probabilities [L, N, T, T],
+      and the residual stream and what reads it [L + 1, T, D].
+  """
   tokens_BT = jnp.asarray(np.asarray(tokens, np.int32)[None])
   positions_BT = jnp.arange(tokens_BT.shape[1], dtype=jnp.int32)[None]
   x_BTD = model.embed_tokens(tokens_BT)

@@ -31,7 +31,21 @@ TPU_AOT_INSTALL = 'pip install -e ".[tpu-aot]"'
 
 
 def tpu_devices(topology: str, slices: int = 1) -> list:
-  """The abstract devices of a Cloud TPU slice (or `slices` of them), for the TPU compiler; no TPU needed."""
+  """The abstract devices of a Cloud TPU slice (or `slices` of them), for the TPU compiler; no TPU needed.
+
+  Compiling only: before libtpu loads, it sets the environment variables that let several processes load libtpu at
+  once and that describe this host to libtpu, so that it does not look for a TPU VM's metadata; each only where unset.
+
+  Args:
+    topology: a Cloud TPU slice name of `TOPOLOGIES`, e.g. "v5p-128".
+    slices: how many such slices, for a multi-slice job.
+
+  Returns:
+    The slices' devices, to compile against ahead of time.
+
+  Raises:
+    PlanError: when `topology` is unknown, `slices` is below 1, or the TPU compiler, libtpu, is not installed.
+  """
   if topology not in TOPOLOGIES:
     raise PlanError(f"unknown --topology {topology!r}; known: {', '.join(TOPOLOGIES)}")
   if slices < 1:

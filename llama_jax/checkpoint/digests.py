@@ -22,7 +22,16 @@ _HASH_CHUNK = 1 << 22
 
 
 class CheckpointError(LlamaJaxError, ValueError):
-  """A checkpoint directory is missing, incomplete or does not match; the message names the path."""
+  """A checkpoint directory is missing, incomplete or does not match; the message names the path.
+
+  Raised where checkpoints are read or written: a directory with no model config or no complete step, a step whose
+  files differ from its digests (naming the file and the ``--step`` of an earlier one), files orbax cannot read,
+  parameters holding NaN or infinity, a model that does not match the run's, or a save that cannot be written. Like
+  every `LlamaJaxError`, a command reports it as one line on stderr and exit status 2.
+
+  Args:
+    message: what is wrong, naming the directory or file, and what to do.
+  """
 
 
 def _item_files(step_dir: epath.Path) -> Iterable[tuple[str, epath.Path]]:

@@ -72,6 +72,18 @@ _FINITE_CHUNK_BYTES = 8 * 2**20
 
 
 def read_model_config(directory: str) -> ModelConfig:
+  """The model config a checkpoint directory holds in its model_config.json.
+
+  Args:
+    directory: a checkpoint directory or training workdir, local or remote (gs://).
+
+  Returns:
+    The stored `ModelConfig`, checked.
+
+  Raises:
+    CheckpointError: when `directory` does not exist or has no model_config.json.
+    ConfigError: when the stored config has an unknown key or a value that fails a check.
+  """
   path = paths.path(directory, paths.CONFIG_FILE)
   if not paths.path(directory).is_dir():
     raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
@@ -145,12 +157,25 @@ def save_params_dir(
   tokenizer_path: str | None = None,
   extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
-  """Writes a new checkpoint directory holding only parameters (conversion output), the tokenizer at
-  `tokenizer_path` and `extra_files` (name → bytes: the generation config). Refuses a non-empty directory.
+  """Writes a new checkpoint directory holding only parameters, as a conversion outputs them.
 
-  Adds next to nothing to the memory `params` hold: orbax's defaults would deep-copy every numpy array and keep the
-  zstd-compressed copies until the commit, about twice the model on top of it (measured by bench/convert_memory.py).
-  The save is synchronous, so the arrays cannot change under it; weights barely compress (~7%) anyway."""
+  The directory gets model_config.json, the tokenizer at `tokenizer_path`, `extra_files` and one orbax step of
+  `params` with its digests. The save adds next to nothing to the memory `params` hold: orbax's defaults would
+  deep-copy every numpy array and keep the zstd-compressed copies until the commit, about twice the model on top of it
+  (measured by bench/convert_memory.py). The save is synchronous, so the arrays cannot change under it; weights barely
+  compress anyway, so they are written uncompressed.
+
+  Args:
+    directory: the new directory, local or gs://; it must not exist, or be empty.
+    cfg: the model config, written as model_config.json.
+    params: the parameters as a plain nested dict of numpy or JAX arrays, ``nnx.to_pure_dict``'s layout.
+    step: the step number to save them as.
+    tokenizer_path: a tokenizer file, local or remote, copied in as tokenizer.model; None: no tokenizer.
+    extra_files: file name → bytes, written beside them, e.g. the generation config.
+
+  Raises:
+    CheckpointError: when `directory` exists and is not empty.
+  """
   out = epath.Path(directory)  # local or gs://
   if out.exists() and any(out.iterdir()):
     raise CheckpointError(f"output directory {directory!r} exists and is not empty; choose a new one")
@@ -350,7 +375,25 @@ class MergedReader(_LeafByLeaf):
 
 
 def open_reader(directory: str, step: int | None = None) -> CheckpointReader | MergedReader:
-  """The reader of a checkpoint directory's params: a LoRA workdir's merged into its base."""
+  """The reader of a checkpoint directory's params: a LoRA workdir's merged into its base.
+
+  Opening reads the model config and checks the step's digests; the parameters are read when asked, whole with
+  `read_all` or one leaf at a time with `read_leaf`, and refused if they hold NaN or infinity. Close the reader when
+  done, e.g. with ``contextlib.closing``.
+
+  Args:
+    directory: a checkpoint directory: a training workdir, a conversion output, or a LoRA workdir, whose lora.json
+      names its base.
+    step: the step to read; None: the latest complete one.
+
+  Returns:
+    A `CheckpointReader`, or for a LoRA workdir a `MergedReader` with the same interface.
+
+  Raises:
+    CheckpointError: when the directory or its model config is missing, it has no complete step or not `step`, the
+      step's files differ from its digests, or a LoRA workdir's adapters cannot be read or hold NaN or infinity.
+    LoraError: when a LoRA workdir's base checkpoint step changed since the run started from it.
+  """
   record = records.read_record(directory)
   return MergedReader(directory, record, step) if record is not None else CheckpointReader(directory, step)
 
@@ -358,9 +401,26 @@ def open_reader(directory: str, step: int | None = None) -> CheckpointReader | M
 def load_params(
   directory: str, step: int | None = None, shardings: Any = None, dtype: str | None = None
 ) -> tuple[ModelConfig, Any]:
-  """(model config, params) of the latest (or given) complete step of a checkpoint directory (a LoRA workdir's
-  merged), each array restored straight into its sharding (default: the first local device) and, with `dtype`, cast
-  as it is read. The returned config is the stored one."""
+  """Reads the model config and parameters of a checkpoint directory's latest or given complete step.
+
+  A LoRA workdir's adapters come merged into its base's weights. Each array is restored straight into its sharding
+  and, with `dtype`, cast as it is read, so a bf16 load of float32 weights never holds them in float32. The returned
+  config is the stored one.
+
+  Args:
+    directory: a checkpoint directory, local or gs://: a training workdir, a conversion output or a LoRA workdir.
+    step: the step to read; None: the latest complete one.
+    shardings: the params' shardings, a tree of the params' layout; None: every array on the first local device.
+    dtype: a dtype name such as "bfloat16" to cast the weights to; None: the stored dtype.
+
+  Returns:
+    A pair: the stored `ModelConfig`, and the params as a plain nested dict of arrays.
+
+  Raises:
+    CheckpointError: when the directory, its model config or a complete step is missing, the step's files differ
+      from its digests or cannot be read, or the parameters hold NaN or infinity.
+    LoraError: when a LoRA workdir's base checkpoint step changed since the run started from it.
+  """
   with contextlib.closing(open_reader(directory, step)) as reader:
     return reader.cfg, reader.read_all(shardings, dtype)
 

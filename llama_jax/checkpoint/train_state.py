@@ -33,11 +33,22 @@ _log = logging.getLogger(__name__)
 
 
 class TrainCheckpointer:
-  """Training checkpoints of a workdir: async saves, the last `keep` steps plus every `keep_every`-th, resume from the
-  newest intact step. Items: "params", "train" (step, optimizer state, RNG), "data" (iterator state, JSON).
+  """Training checkpoints of a workdir, saved asynchronously and resumed from the newest intact step.
 
-  A save that cannot be written (a full disk, a denied permission) ends the run with a CheckpointError naming the
-  path: orbax never commits the step, so the previous one stays the latest and a rerun resumes from it."""
+  Keeps the last `keep` steps plus every `keep_every`-th. Items of a step: "params", "train" (step, optimizer state,
+  RNG), "data" (iterator state, JSON); each step is committed with its digests.json or not at all. A save that cannot
+  be written (a full disk, a denied permission) ends the run with a CheckpointError naming the path: orbax never
+  commits the step, so the previous one stays the latest and a rerun resumes from it. Constructing one also quiets,
+  for the rest of the process, orbax's own error logs and the "Event loop is closed" errors a failed save leaves, which
+  that one CheckpointError line reports already.
+
+  Args:
+    workdir: the run's workdir, local or gs://; the steps go under its ``checkpoints/`` folder, created if missing.
+    keep: how many of the latest steps to keep.
+    keep_every: also keep every step that is a multiple of this; 0: none.
+    async_save: write each save in the background once its arrays are copied off the devices; False: `save` returns
+      once the step is written.
+  """
 
   def __init__(self, workdir: str, keep: int = 3, keep_every: int = 0, async_save: bool = True):
     self.workdir, self.async_save = workdir, async_save
@@ -59,7 +70,15 @@ class TrainCheckpointer:
       sys.unraisablehook = _IgnoreClosedLoops(sys.unraisablehook)
 
   def check_compatible(self, cfg: ModelConfig) -> None:
-    """Refuses a workdir holding checkpoints of another model shape: they are never overwritten."""
+    """Refuses a workdir holding checkpoints of another model shape: they are never overwritten.
+
+    Args:
+      cfg: the run's model config, compared with the workdir's model_config.json in the fields that fix shapes.
+
+    Raises:
+      CheckpointError: when the workdir holds checkpoints but no model_config.json, or checkpoints of a model that
+        differs in a shape field.
+    """
     if not paths.path(self.workdir, paths.CONFIG_FILE).is_file():
       if self.manager.latest_step() is not None:
         raise CheckpointError(
@@ -76,7 +95,13 @@ class TrainCheckpointer:
 
   def write_metadata(self, cfg: ModelConfig, run_config_json: str, tokenizer_files: Mapping[str, bytes]) -> None:
     """Process 0 only: the files that make the workdir self-describing (model and run config, the tokenizer's files),
-    each written whole then renamed."""
+    each written whole then renamed.
+
+    Args:
+      cfg: the model config, written as model_config.json.
+      run_config_json: the run config as JSON, written as run_config.json.
+      tokenizer_files: file name → bytes of the tokenizer's files.
+    """
     workdir = epath.Path(self.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     files = {paths.CONFIG_FILE: cfg.to_json(), paths.RUN_CONFIG_FILE: run_config_json, **tokenizer_files}
@@ -84,10 +109,26 @@ class TrainCheckpointer:
       paths.write_atomically(workdir / name, content)
 
   def latest_step(self) -> int | None:
+    """The newest committed step, or None when there is none."""
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict[str, Any], data_state: dict[str, Any]) -> None:
-    """Starts a save of the train state; returns once the arrays are copied off the devices (async write after)."""
+    """Starts a save of the train state; returns once the arrays are copied off the devices (async write after).
+
+    Waits for the previous save first, and reports its failure as that step's. Process 0 then checks that the steps
+    folder can be written, and every process follows its verdict, so that a save that cannot be written fails at once
+    on all of them. Every process must call it, at the same step.
+
+    Args:
+      step: the step the state is of.
+      state: the train state: "params", saved as the "params" item, and the rest (step, optimizer state, RNG), saved as
+        the "train" item.
+      data_state: the data iterator's state, saved as JSON.
+
+    Raises:
+      CheckpointError: when this save or the previous one cannot be written, naming the path and the latest step still
+        saved.
+    """
     self._wait()  # orbax would wait for the previous save anyway; a failure of it is reported as that step's
     train = {k: v for k, v in state.items() if k != "params"}
     self._saving = step
@@ -158,6 +199,15 @@ class TrainCheckpointer:
     return CheckpointError(" ".join(message.split()))  # one line, whatever the writer's error text held
 
   def restore(self, step: int, abstract_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restores one step as it is, its digests unchecked: `restore_latest` checks them and falls back.
+
+    Args:
+      step: the step to restore.
+      abstract_state: the train state's abstract arrays (shapes, dtypes, shardings), laid out as `save` takes it.
+
+    Returns:
+      A pair: the train state, "params" and the "train" item's entries in one dict, and the data iterator's state.
+    """
     abstract_train = {k: v for k, v in abstract_state.items() if k != "params"}
     restored = self.manager.restore(
       step,
@@ -171,8 +221,22 @@ class TrainCheckpointer:
 
   def restore_latest(self, abstract_state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """(step, state, data iterator state) of the newest step that matches its digests and restores; None when there
-    is no step. Newer damaged steps are moved aside to checkpoints/<step>.damaged with a warning, never deleted: no
-    longer steps to orbax, so saving that step again works and `keep` rotates intact steps only."""
+    is no step.
+
+    Newer damaged steps are moved aside to checkpoints/<step>.damaged with a warning, never deleted: no longer steps
+    to orbax, so saving that step again works and `keep` rotates intact steps only. Process 0 checks the digests and
+    every process follows its verdict, so all restore the same step; every process must call it.
+
+    Args:
+      abstract_state: the train state's abstract arrays (shapes, dtypes, shardings), laid out as `save` takes it.
+
+    Returns:
+      The step restored, its train state and its data iterator's state; None when the workdir has no step.
+
+    Raises:
+      CheckpointError: when a step matches its digests but does not restore (nothing is moved then), or when every
+        step is damaged.
+    """
     damaged: list[tuple[int, str]] = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       # Process 0 reads the files once; every process follows its verdict, so all restore the same step.
@@ -226,6 +290,11 @@ class TrainCheckpointer:
       self.manager.reload()
 
   def close(self) -> None:
+    """Waits for the save in flight, then closes; after a failed save, which is reported already, just closes.
+
+    Raises:
+      CheckpointError: when the save in flight cannot be written.
+    """
     if not self._failed:
       try:
         self._wait()

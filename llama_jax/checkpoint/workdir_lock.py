@@ -84,8 +84,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 class WorkdirLock:
-  """The lock of one workdir; `acquire` once before anything is written there, `release` at the end (a no-op when
-  not held, so it can sit in a ``finally``)."""
+  """The lock of one workdir; `acquire` once before anything is written there, `release` at the end.
+
+  The lock is ``<workdir>/run.lock``, which records the holder (host, pid, start time) for the message a refused run
+  prints: held with ``fcntl.flock`` for a local workdir, an advisory file for a remote one, taken by process 0 alone
+  for a multi-process job (see the module docstring for what each covers). `release` is a no-op when the lock is not
+  held, so it can sit in a ``finally``.
+
+  Args:
+    workdir: the run's workdir, local or gs://.
+  """
 
   def __init__(self, workdir: str):
     self.workdir = str(workdir)
@@ -97,7 +105,17 @@ class WorkdirLock:
 
   def acquire(self) -> None:
     """Takes the lock on process 0 and tells every process the outcome, so that a refused multi-process job stops
-    on all of them rather than on process 0 while the others wait at its next barrier."""
+    on all of them rather than on process 0 while the others wait at its next barrier.
+
+    Creates a local workdir if missing. A lock file left by a run that died on this host is taken over with a notice.
+    Every process must call it.
+
+    Raises:
+      WorkdirError: on process 0, when the workdir cannot be written, e.g. a missing bucket or a denied permission.
+      WorkdirLockedError: on process 0, when another run holds the lock or may hold it: a local lock file that
+        another process has locked or that another host recorded, or a remote lock file not left by a dead process of
+        this host; on the other processes, whenever process 0 did not get the lock.
+    """
     error: Exception | None = None
     if jax.process_index() == 0:
       try:
@@ -119,6 +137,11 @@ class WorkdirLock:
     return "check that the path is a directory this user may write to"
 
   def release(self) -> None:
+    """Releases the lock if this object holds it, removing the lock file; a no-op otherwise.
+
+    A local lock file is removed while still locked, so that a run that opened it meanwhile sees it gone and retries;
+    a remote one only while it still records this holder.
+    """
     if self._fd is not None:
       try:
         if _same_file(self._fd, self.path):

@@ -23,6 +23,8 @@ ACCELERATORS = (
   Accelerator("H200", ("NVIDIA H200",), 989e12, 141),
   Accelerator("A100", ("NVIDIA A100",), 312e12, None),
 )
+"""Every accelerator the training log's MFU and the memory plans know; `by_device_kind` returns the first entry whose
+`device_kinds` prefixes a device's kind."""
 
 # The memory plans' targets: name → GiB per device.
 HBM_GIB = {a.name: a.hbm_gib for a in ACCELERATORS if a.hbm_gib is not None}

@@ -16,7 +16,16 @@ from llama_jax.core.errors import LlamaJaxError
 
 
 class ConfigError(LlamaJaxError, ValueError):
-  """A configuration value is out of range; the message names the field and the value."""
+  """A configuration value is out of range; the message names the field and the value.
+
+  Raised by the checks of every checked config, the run config's sections and the model config, and of other values a
+  user passes, such as sampling settings: an unknown key, with the closest valid one, a value of the wrong type or
+  outside its range or choices, or fields that contradict each other. Like every `LlamaJaxError`, a command reports it
+  as one line on stderr and exit status 2.
+
+  Args:
+    message: the field at fault, the allowed values and the value given.
+  """
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -61,8 +61,20 @@ def maybe_initialize_distributed(
   Recognised: explicit arguments (the train CLI's --coordinator_address/--num_processes/--process_id), the same three
   as JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, a multi-host Cloud TPU slice
   (TPU_WORKER_HOSTNAMES lists more than one host), SLURM or Open MPI jobs of more than one task (JAX reads those).
-  Joining waits at most LLAMA_JAX_INIT_TIMEOUT_S for the others, and a process silent for LLAMA_JAX_HEARTBEAT_TIMEOUT_S
-  counts as dead (see the module docstring).
+  A no-op too when `jax.distributed` is initialized already. Joining waits at most LLAMA_JAX_INIT_TIMEOUT_S for the
+  others, and a process silent for LLAMA_JAX_HEARTBEAT_TIMEOUT_S counts as dead (see the module docstring). A process
+  other than 0 first waits for the coordinator's port, so that a coordinator that never answers ends it with one
+  line; a join that times out after that is ended by JAX itself, which aborts the process rather than raising.
+
+  Args:
+    coordinator_address: HOST:PORT of the coordinator, which runs in process 0; None: JAX_COORDINATOR_ADDRESS, if set.
+    num_processes: how many processes the job has; None: JAX_NUM_PROCESSES, if set.
+    process_id: this process's index, in [0, num_processes); None: JAX_PROCESS_ID, if set.
+
+  Raises:
+    DistributedError: when only some of the three settings are given, `process_id` is out of range, JAX_NUM_PROCESSES
+      or JAX_PROCESS_ID is not an integer, or a timeout variable is not a whole number of seconds ≥ 1; on a process
+      other than 0, also when `coordinator_address` is not HOST:PORT or the coordinator does not answer in time.
   """
   if jax.distributed.is_initialized():
     return

@@ -21,8 +21,17 @@ EXIT_USER_ERROR = 2
 
 
 class LlamaJaxError(Exception):
-  """An error the user can fix (a bad value, a missing file, a mismatch): the message names the value and the fix.
-  `param` (the field or flag at fault) and `code` (a short machine-readable kind) are optional."""
+  """An error the user can fix: a bad value, a missing file, a mismatch; the message names the value and the fix.
+
+  Every module's user-facing error (`ConfigError`, `CheckpointError` ...) derives from it and from `ValueError`. A
+  command's `main` runs its work through `run_or_exit`, which reports it as one line on stderr and exit status 2; the
+  server answers with `param` and `code` as the HTTP status and OpenAI's error fields, rather than reading the message.
+
+  Args:
+    message: what is wrong, naming the value, and how to fix it.
+    param: the request field or flag at fault, or None.
+    code: a short machine-readable kind of problem, or None.
+  """
 
   def __init__(self, message: str = "", *, param: str | None = None, code: str | None = None):
     super().__init__(message)
@@ -30,7 +39,16 @@ class LlamaJaxError(Exception):
 
 
 class FlagError(LlamaJaxError, ValueError):
-  """A command-line flag's value is out of range; the message names the flag, the allowed range and the value."""
+  """A command-line flag's value is out of range; the message names the flag, the allowed range and the value.
+
+  Raised by a command's own checks of its flags' values and reported like every `LlamaJaxError`: one line on stderr and
+  exit status 2. The parsers' own errors, such as an unknown flag, go through ``llama_jax/cli.py`` instead.
+
+  Args:
+    message: the flag, the allowed range and the value given.
+    param: the flag at fault, or None.
+    code: a short machine-readable kind of problem, or None.
+  """
 
 
 def exit_with_error(message: str) -> NoReturn:
@@ -39,7 +57,20 @@ def exit_with_error(message: str) -> NoReturn:
 
 
 def run_or_exit(fn: Callable[..., T], *args, **kwargs) -> T:
-  """fn(*args, **kwargs); a LlamaJaxError becomes ``error: <message>`` on stderr and exit status 2."""
+  """Calls ``fn(*args, **kwargs)``; a `LlamaJaxError` becomes ``error: <message>`` on stderr and exit status 2.
+
+  The one error path of every command's `main`: an error the user can fix is reported as one line, while anything
+  else, a bug, keeps its traceback.
+
+  Args:
+    fn: the command's work, called with the positional `args` and keyword `kwargs` that follow it.
+
+  Returns:
+    What `fn` returns.
+
+  Raises:
+    SystemExit: with status 2, when `fn` raises a `LlamaJaxError`.
+  """
   try:
     return fn(*args, **kwargs)
   except LlamaJaxError as e:

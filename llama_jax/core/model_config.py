@@ -97,7 +97,17 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a LLaMA 2 decoder (Meta's names where they exist)."""
+  """Hyper-parameters of a LLaMA 2 decoder (Meta's names where they exist).
+
+  Frozen and checked when built: a bad value is refused with a `ConfigError`, and `n_kv_heads` None becomes
+  `n_heads`. Hashable, so safe as a static argument to ``jax.jit``; modules only ever see it, never the whole run
+  config. Build it from a mapping with `from_dict`, and change it with `replace`. Every field, with its default, its
+  allowed values and its meaning, is in the run-config reference's `model` section, written from the comments here.
+
+  Raises:
+    ConfigError: when a field has the wrong type or is out of range, ``moe`` has an unknown key, or fields contradict
+      each other, e.g. `dim` not divisible by `n_heads`, or int8 quantization of a mixture of experts.
+  """
 
   vocab_size: int = 32000
   dim: int = 4096
@@ -226,6 +236,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
+    """Width of one attention head: `dim` / `n_heads`."""
     return self.dim // self.n_heads
 
   @property
@@ -239,11 +250,19 @@ class ModelConfig:
     return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
   def is_moe_layer(self, layer: int) -> bool:
-    """Whether block `layer` (0-based) has a mixture of experts: the last block of each group of `moe.every`."""
+    """Whether block `layer` has a mixture of experts: the last block of each group of `moe.every`.
+
+    Args:
+      layer: the block's index, from 0.
+
+    Returns:
+      True for a mixture-of-experts block; False for a dense block, and for every block of a dense model.
+    """
     return self.moe.enabled and (layer + 1) % self.moe.every == 0
 
   @property
   def n_moe_layers(self) -> int:
+    """How many blocks have a mixture of experts: `n_layers` / `moe.every`, or 0 for a dense model."""
     return self.n_layers // self.moe.every if self.moe.enabled else 0
 
   def num_active_params(self) -> int:
@@ -266,17 +285,40 @@ class ModelConfig:
     return self.vocab_size * d + self.n_layers * layer + self.n_moe_layers * moe_extra + final_norm + head
 
   def replace(self, **changes: Any) -> ModelConfig:
+    """A copy with some fields changed, checked again.
+
+    Args:
+      **changes: field name → new value.
+
+    Returns:
+      The new `ModelConfig`.
+
+    Raises:
+      ConfigError: when the changed config fails a check.
+    """
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
+    """Every field by name, ``moe`` as a nested dict: what `from_dict` takes back."""
     return dataclasses.asdict(self)
 
   def to_json(self) -> str:
+    """`to_dict` as indented JSON with sorted keys: what a checkpoint directory's model_config.json holds."""
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
-    """Builds from a mapping (a ConfigDict's ``model`` field or saved JSON); unknown keys are an error."""
+    """Builds a checked config from a mapping: a ConfigDict's ``model`` field or saved JSON.
+
+    Args:
+      values: field name → value; ``moe`` may be a mapping of its own fields.
+
+    Returns:
+      The checked `ModelConfig`; fields missing from `values` take their defaults.
+
+    Raises:
+      ConfigError: when a key is unknown, naming the closest known one, or a value fails a check.
+    """
     values = dict(values)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)

@@ -66,8 +66,16 @@ class Section:
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig(Section):
-  """Low-rank adapters (lora.py): each targeted projection W gets A [in, rank] (random) and B [rank, out] (zeros),
-  and computes x·W + (alpha / rank)·(x·A)·B; only A and B train, the base model (init_from) stays frozen."""
+  """Low-rank adapters (``train.lora``): only the adapters train, and the base model, `init_from`, stays frozen.
+
+  Each targeted projection W gets A [in, rank], random, and B [rank, out], zeros, and computes
+  x·W + (alpha / rank)·(x·A)·B (lora.py). Checked when built: a bad value is refused with a `ConfigError`.
+
+  Attributes:
+    rank: the adapters' rank; 0: no adapters, every parameter trains.
+    alpha: the adapters' scale numerator, > 0; their product is multiplied by alpha / rank.
+    targets: the projections that get adapters, distinct names from `LORA_TARGETS`; all of them by default.
+  """
 
   SECTION = "train.lora"
   rank: int = 0  # 0: no adapters, every parameter trains
@@ -86,12 +94,17 @@ class LoraConfig(Section):
 
   @property
   def scale(self) -> float:
+    """alpha / rank, the factor of the adapters' product (rank > 0)."""
     return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Section):
-  """Optimisation, cadence and bookkeeping of a training run."""
+  """Optimisation, cadence and bookkeeping of a training run.
+
+  The ``train`` section, checked when built: a bad value, or a rule between fields broken, is a `ConfigError`. Every
+  field, with its default, its allowed values and its meaning, is in the run-config reference.
+  """
 
   SECTION = "train"
   batch_size: int = 8  # global batch: sequences per optimizer step, over all devices and processes
@@ -172,7 +185,12 @@ class TrainConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Section):
-  """Where the tokens come from and how they are split."""
+  """Where the tokens come from and how they are split.
+
+  The ``data`` section, checked when built: a bad value, or a rule between fields broken, is a `ConfigError`. `specs`
+  and `weights` read a mixture's (spec, weight) pairs apart. Every field, with its default, its allowed values and its
+  meaning, is in the run-config reference.
+  """
 
   SECTION = "data"
   # Files, directories or globs, local or gs:// (text, .jsonl[.gz|.zst], .parquet, ArrayRecord), or
@@ -279,10 +297,21 @@ def _sources(value: Any) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
-  """Devices as data × fsdp × expert × context × tensor; -1 takes the devices the other axes leave. dcn_data > 1
-  spans the data axis over that many slices (multi-slice TPU, or GPU hosts): the other axes then stay within a
-  slice. `expert` shards a mixture's experts (expert parallelism: tokens go to their experts' devices by
-  all-to-all) and, like data and fsdp, the batch outside the experts. `context` splits each sequence's tokens."""
+  """Devices as data × fsdp × expert × context × tensor; -1 takes the devices the other axes leave.
+
+  The ``mesh`` section, checked when built: an axis neither positive nor -1, two -1s or `dcn_data` below 1 is a
+  `ConfigError`.
+
+  Attributes:
+    data: data parallelism: the batch is split over it.
+    fsdp: fully sharded data parallelism: the batch and the parameters are split over it.
+    expert: shards a mixture's experts (expert parallelism: tokens go to their experts' devices by all-to-all) and,
+      like data and fsdp, the batch outside the experts.
+    context: splits each sequence's tokens; attention exchanges keys and values by `model.context_strategy`.
+    tensor: splits heads, the MLP's width and the vocabulary within each layer.
+    dcn_data: > 1 spans the data axis over that many slices (multi-slice TPU, or GPU hosts): the other axes then stay
+      within a slice.
+  """
 
   SECTION = "mesh"
   data: int = 1
@@ -306,6 +335,7 @@ class MeshConfig(Section):
     check_range("mesh.dcn_data", self.dcn_data, 1)
 
   def to_dict(self) -> dict[str, int]:
+    """Each axis's size by name, `dcn_data` included."""
     return dataclasses.asdict(self)
 
 
@@ -354,7 +384,22 @@ def _logical_axis_rules(rules: Any) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """Everything about a run, typed and checked: build it with ``run_config_from`` (from a ConfigDict or JSON)."""
+  """Everything about a run, typed and checked: build it with ``run_config_from`` (from a ConfigDict or JSON).
+
+  One frozen dataclass per section, and the rules between sections checked when built, a broken one a `ConfigError`:
+  e.g. `train.seq_len` within `model.max_seq_len`, LoRA and DPO only with `init_from`, mesh axes that divide what they
+  split. Every field, with its default, its allowed values and its meaning, is in the run-config reference.
+
+  Attributes:
+    model: the model's hyper-parameters.
+    train: optimisation, cadence and bookkeeping.
+    data: where the tokens come from and how they are split.
+    mesh: how the devices are laid out.
+    logical_axis_rules: (logical axis name, target) pairs, each target a mesh axis, None or a tuple of mesh axes:
+      how parameters and activations are sharded over the mesh.
+    init_from: a checkpoint directory whose parameters, only, initialise a new run, e.g. for SFT; empty: none.
+    seed: the run's random seed, ≥ 0.
+  """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -433,7 +478,18 @@ class RunConfig:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> RunConfig:
-    """From a ConfigDict's ``to_dict()`` or a saved run_config.json; every unknown key is refused by name."""
+    """Builds the checked config from a ConfigDict's ``to_dict()`` or a saved run_config.json.
+
+    Args:
+      values: section or top-level field name → value, a section as a mapping; missing keys take their defaults.
+
+    Returns:
+      The checked `RunConfig`.
+
+    Raises:
+      ConfigError: when a key is unknown, naming the closest known one, a section is not a mapping, or a value or a
+        rule between fields fails its check.
+    """
     values = dict(values)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in sorted(values):
@@ -447,13 +503,25 @@ class RunConfig:
     return cls(**values)
 
   def to_dict(self) -> dict[str, Any]:
+    """Every section and field as nested dicts: what `from_dict` takes back."""
     return dataclasses.asdict(self)
 
   def to_json(self) -> str:
+    """`to_dict` as indented JSON with sorted keys: what a workdir's run_config.json holds."""
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
   def replace(self, **sections: Any) -> RunConfig:
-    """A copy with whole sections or fields replaced, checked again: ``replace(train=dict(steps=5))``."""
+    """A copy with whole sections or fields replaced, checked again: ``replace(train=dict(steps=5))``.
+
+    Args:
+      **sections: section or top-level field name → new value; a section's mapping changes the fields it names.
+
+    Returns:
+      The new `RunConfig`.
+
+    Raises:
+      ConfigError: when a changed section or the whole config fails a check.
+    """
     changes = {
       k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, Mapping) else v for k, v in sections.items()
     }
@@ -461,15 +529,35 @@ class RunConfig:
 
 
 def run_config_from(config: Any) -> RunConfig:
-  """The typed, checked RunConfig of a RunConfig, an ml_collections ConfigDict or a plain mapping."""
+  """The typed, checked `RunConfig` of a `RunConfig`, an ml_collections ConfigDict or a plain mapping.
+
+  Every command builds it before it writes anything. A `RunConfig` comes back as it is.
+
+  Args:
+    config: a `RunConfig`, a ConfigDict such as a config file's ``get_config()``, or a mapping such as a loaded
+      run_config.json.
+
+  Returns:
+    The `RunConfig`.
+
+  Raises:
+    ConfigError: when a key is unknown, naming the closest known one, or a value or a rule fails its check.
+  """
   if isinstance(config, RunConfig):
     return config
   return RunConfig.from_dict(config.to_dict() if hasattr(config, "to_dict") else config)
 
 
 def base_run_config():
-  """Defaults that every ``configs/<name>.py`` starts from and then overrides: the dataclasses' defaults as a
-  ConfigDict (the layer that config files write and ``--config.x.y=`` overrides change)."""
+  """Defaults that every ``configs/<name>.py`` starts from and then overrides, as an ml_collections ConfigDict.
+
+  Made from the dataclasses' defaults, so that the defaults live in one place. A ConfigDict is the layer that config
+  files write and ``--config.x.y=`` overrides change; the fields whose default is None get a declared type, so that an
+  override can set them. Nothing is checked here: `run_config_from` checks the result.
+
+  Returns:
+    (ml_collections.ConfigDict): a section per `RunConfig.SECTIONS`, and the top-level fields.
+  """
   defaults = RunConfig()
   cfg = ml_collections.ConfigDict()
   for name in RunConfig.SECTIONS:
@@ -485,8 +573,20 @@ def base_run_config():
 
 
 def load_run_config(path: str):
-  """Imports ``configs/<name>.py`` and returns its ``get_config()`` ConfigDict (what absl's config_flags does, for
-  library use and for config files built on other config files)."""
+  """Imports ``configs/<name>.py`` and returns its ``get_config()`` ConfigDict.
+
+  What absl's config_flags does, for library use and for config files built on other config files. Nothing is
+  checked: `run_config_from` does that. An error the file itself raises reaches the caller as it is.
+
+  Args:
+    path: the config file, a Python file with a ``get_config()`` function.
+
+  Returns:
+    (ml_collections.ConfigDict): what the file's ``get_config()`` returns.
+
+  Raises:
+    ConfigError: when `path` is not a file.
+  """
   if not os.path.isfile(path):
     raise ConfigError(f"config file not found: {path!r}")
   spec = importlib.util.spec_from_file_location(f"llama_jax_config_{os.path.basename(path)[:-3]}", path)

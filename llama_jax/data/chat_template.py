@@ -101,10 +101,28 @@ def encode_exchange(tokenizer, user: str, assistant: str | None, system: str | N
 
 
 def encode_dialog(tokenizer, messages: Sequence[dict], max_len: int | None = None) -> EncodedConversation:
-  """Ids and loss mask of a conversation ending with an assistant turn (training) or a user turn (a generation
-  prompt), in the tokenizer's own chat template when its checkpoint has one (``jinja_chat.py``), else in LLaMA 2's.
-  Longer than `max_len`: the oldest exchanges are dropped (the system prompt moves to the first one kept);
-  if the last exchange alone is too long, its prompt is cut from the left, keeping the last assistant turn whole."""
+  """Token ids and loss mask of a conversation, in the tokenizer's chat template or else in LLaMA 2's.
+
+  The conversation ends with an assistant turn, for training, or with a user turn, for a generation prompt. The
+  tokenizer's own chat template is used when its checkpoint has one (``jinja_chat.py``). Longer than `max_len`: the
+  oldest exchanges are dropped, the system prompt moving to the first one kept; if the last exchange alone is too
+  long, its prompt is cut from the left, keeping the last assistant turn whole.
+
+  Args:
+    tokenizer: the tokenizer that encodes the text, with its bos and eos ids and its chat template, if any.
+    messages: {"role", "content"} dicts: an optional system message, then user and assistant turns alternating from
+      a user turn, as `check_conversation` accepts them.
+    max_len: the most tokens the result may hold, or None for no limit.
+
+  Returns:
+    The `EncodedConversation`: the token ids, a 0/1 loss mask that is 1 exactly on assistant tokens and their
+      closing eos, the number of oldest exchanges dropped, and whether the last prompt was cut.
+
+  Raises:
+    ConversationTooLong: the last assistant turn alone is longer than `max_len`.
+    ConversationError: the checkpoint's chat template rejects the conversation.
+    ChatTemplateError: the checkpoint's chat template fails to render.
+  """
   template = getattr(tokenizer, "chat_template", None)
   if template is not None:
     return template.encode(tokenizer, messages, max_len)

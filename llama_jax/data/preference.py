@@ -207,10 +207,32 @@ def prepare_preference(
   on_error: str = "skip",
   verify: bool = False,
 ) -> dict[str, Any]:
-  """Encodes pairs in the tokenizer's chat template (LLaMA 2's without one) into rows of seq_len, in the
-  prepared-data cache of prepared.py as SFT rows are (each .npy file's size and sha256 in meta.json, token ids checked
-  against the vocabulary). Split by pair location: a seeded `val_fraction` of the pairs is held out. meta.json counts
-  the pairs skipped (bad lines and pairs too long) and keeps the first few problems."""
+  """Encodes preference pairs in the tokenizer's chat template, LLaMA 2's without one, one pair per row of seq_len.
+
+  Each response is the last assistant turn after the prompt, weighted on its tokens and its eos only, right-padded
+  with weight 0: chosen_inputs, chosen_targets, chosen_weights and the same for rejected. The rows are kept in the
+  prepared-data cache of prepared.py as SFT rows are: each .npy file's size and sha256 in meta.json, token ids
+  checked against the vocabulary. Split by pair location: a seeded `val_fraction` of the pairs is held out. meta.json
+  counts the pairs skipped, bad lines and pairs too long, and keeps the first few problems.
+
+  Args:
+    sources: the preference source specs: JSONL files of {"prompt" or "messages", "chosen", "rejected"} (also
+      inside directories or globs), or ``pairs:<chat source>`` for pairs built from an SFT source.
+    tokenizer: the tokenizer that encodes the pairs, with its chat template, if any.
+    out_dir: the directory of the rows and meta.json.
+    seq_len: the positions of a row.
+    val_fraction: the share of pairs held out for validation.
+    seed: the seed of that split.
+    on_error: "skip" to leave out a bad line or a pair too long and count it, "stop" to raise on the first.
+    verify: check the sha256 of rows about to be reused.
+
+  Returns:
+    The contents of meta.json.
+
+  Raises:
+    DataError: a source is missing or, with "stop", holds a bad line or a pair that cannot be encoded, such as one
+      too long, named by file and line; or no usable pair is left.
+  """
   try:
     pairs, problems = load_pairs(sources, on_error)
   except DataError as e:

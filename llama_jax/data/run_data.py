@@ -57,8 +57,24 @@ def load_tokenizer_for_run(run_config: RunConfig, workdir: str, texts: Callable[
 
 
 def prepare_run_data(run_config: RunConfig, workdir: str) -> tuple[TokenizerBase, RunData]:
-  """Tokenizer and prepared data of a run. Process 0 prepares first; the others then find its cache where the disk
-  is shared, or prepare their own copy."""
+  """The tokenizer and the prepared data of a training run, for its data format.
+
+  Process 0 prepares first; the others then find its cache where the disk is shared, or prepare their own copy. The
+  tokenizer is ``data.tokenizer``, the workdir's on resume, init_from's, or one trained on the training texts.
+  Shards from ``python -m llama_jax.prepare`` in the prepared directory are read as they are, with their own
+  tokenizer unless one is named; a streamed corpus (``data.streaming``) is not prepared at all.
+
+  Args:
+    run_config: the checked run config: its data section says what to prepare, its train section the batches.
+    workdir: the run's directory: the prepared data go under it unless ``data.prepared_dir`` names a place.
+
+  Returns:
+    A tuple: the tokenizer, and the `RunData` with the training batches, the validation examples and a summary line.
+
+  Raises:
+    DataError: the sources are missing, damaged or too small; a multi-process or streaming run names no tokenizer;
+      or prepared shards come from other sources or another tokenizer.
+  """
   data_cfg = run_config.data
   prepared_dir = data_cfg.prepared_dir or paths.local_dir(workdir, "data")
   if data_cfg.format == "text" and token_shards.is_shard_dir(prepared_dir):

@@ -151,13 +151,34 @@ def prepare_sft(
   on_error: str = "skip",
   verify: bool = False,
 ) -> dict[str, Any]:
-  """Encodes conversations with the tokenizer's chat template (LLaMA 2's by default) and packs them into rows (the
-  prepared-data cache of prepared.py: each .npy file's size and sha256 in meta.json, token ids checked against the
-  vocabulary).
+  """Encodes conversations with the tokenizer's chat template, LLaMA 2's by default, and packs them into rows.
+
+  Each conversation gets a loss mask on its assistant tokens, its own segment id and positions from 0 within its
+  row. The rows are cached as .npy files in the prepared-data cache of prepared.py: each file's size and sha256 in
+  meta.json, token ids checked against the vocabulary, reused while the conversations, the tokenizer and the
+  settings are unchanged.
 
   Split by conversation: a seeded `val_fraction` of them is held out. Conversations longer than seq_len + 1 tokens
   lose their oldest exchanges, then the left of the last prompt (see chat_template.encode_dialog); counted in
-  meta.json.
+  meta.json, as are those whose last assistant turn alone does not fit, which are left out.
+
+  Args:
+    sources: the chat source specs: JSONL files of {"messages": [...]} (also inside directories or globs),
+      ``chitchat`` and ``chatterbot[:english,chinese]``.
+    tokenizer: the tokenizer that encodes the conversations, with its chat template, if any.
+    out_dir: the directory of the rows and meta.json.
+    seq_len: the positions of a row.
+    val_fraction: the share of conversations held out for validation.
+    seed: the seed of that split.
+    on_error: "skip" to leave out a bad conversation and count it, "stop" to raise on the first.
+    verify: check the sha256 of rows about to be reused.
+
+  Returns:
+    The contents of meta.json.
+
+  Raises:
+    DataError: a source is missing or, with "stop", holds a bad conversation, named by file and line; a checkpoint's
+      chat template refuses a conversation; or no usable conversation is left.
   """
   try:
     conversations, problems = load_conversations(sources, on_error)

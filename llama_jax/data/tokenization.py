@@ -38,12 +38,19 @@ class TokenizerError(LlamaJaxError, ValueError):
 
 
 class TokenizerBase:
-  """What both back ends share: the files that came with the tokenizer (``paths.TOKENIZER_SIDE_FILES``: its
-  generation config, tokenizer_config.json, chat_template.jinja, special_tokens_map.json), the stop tokens and the
-  chat template they give, and the interface the rest of llama_jax uses.
+  """What both tokenizer back ends share, and the interface the rest of llama_jax uses.
 
-  Stop tokens: eos, the generation config's ``eos_token_id`` entries (an id or a list) and the chat template's
-  end-of-turn token. A subclass sets up its back end, then calls ``_init_side_files``."""
+  It holds the files that came with the tokenizer (``paths.TOKENIZER_SIDE_FILES``: its generation config,
+  tokenizer_config.json, chat_template.jinja, special_tokens_map.json) and the stop tokens and chat template they
+  give. Stop tokens: eos, the generation config's ``eos_token_id`` entries (an id or a list) and the chat template's
+  end-of-turn token. A subclass sets up its back end, then calls ``_init_side_files``.
+
+  Attributes:
+    path: the tokenizer's main file.
+    main_file: the name of that file in a checkpoint directory.
+    chat_template: the checkpoint's own chat template, or None: LLaMA 2's format is used then.
+    end_of_turn_id: the chat template's end-of-turn token, or None.
+  """
 
   path: str
   main_file: str
@@ -69,15 +76,32 @@ class TokenizerBase:
     return tuple(sorted(stops - {-1}))
 
   def document_ids(self, ids: Sequence[int]) -> list[int]:
-    """A document's ids as pretraining and evaluation streams hold them: bos first where this tokenizer starts
-    documents with one (``adds_bos``: Meta's and Llama 3's do, SmolLM2's and GPT-2-style ones do not), eos last as
-    the boundary the model learns to end on."""
+    """A document's ids as pretraining and evaluation streams hold them.
+
+    Bos comes first where this tokenizer starts documents with one (``adds_bos``: Meta's and Llama 3's do, SmolLM2's
+    and GPT-2-style ones do not), eos last as the boundary the model learns to end on.
+
+    Args:
+      ids: the document's text encoded, without bos or eos.
+
+    Returns:
+      The ids with bos, where the tokenizer adds one, and eos around them.
+    """
     return [self.bos_id] * self.adds_bos + list(ids) + [self.eos_id]
 
   def flat_document_ids(self, batch: Iterable[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """(`document_ids` of each document of `batch`, one after another in one list; each one's length). Built in
-    place by list.extend (C): the streaming packer's group and the evaluation stream. Per-document lists joined
-    by np.fromiter over a chain took 9% of a streaming worker's time beside encode_batch (2-core EPYC)."""
+    """The `document_ids` of many documents, one after another in one list, and each one's length.
+
+    Built in place by list.extend, in C: the streaming packer's group and the evaluation stream. Per-document lists
+    joined by np.fromiter over a chain took a noticeable share of a streaming worker's time beside encode_batch
+    (BENCHMARKS.md).
+
+    Args:
+      batch: the documents' texts encoded, each without bos or eos, e.g. from `encode_batch`.
+
+    Returns:
+      A tuple: the ids of every document in one list, and the length of each document's ids in it.
+    """
     flat: list[int] = []
     lengths: list[int] = []
     bos = [self.bos_id] * self.adds_bos
@@ -90,18 +114,29 @@ class TokenizerBase:
     return flat, lengths
 
   def files(self) -> dict[str, bytes]:
-    """The files that make up this tokenizer in a checkpoint directory, by name (to copy it into one)."""
+    """The files that make up this tokenizer in a checkpoint directory, to copy it into one.
+
+    Returns:
+      File name → contents: the main file and the side files that came with it.
+    """
     return {self.main_file: self.main_file_bytes(), **self._side_files}
 
   def identity_bytes(self) -> bytes:
-    """What decides the ids this tokenizer gives text and conversations, for the prepared-data digests: the
-    tokenizer (``serialized``) and its chat template when it has one."""
+    """What decides the ids this tokenizer gives text and conversations, for the prepared-data digests.
+
+    Returns:
+      The tokenizer's ``serialized`` bytes, followed by its chat template's source when it has one.
+    """
     if self.chat_template is None:
       return self.serialized()
     return self.serialized() + b"\0chat_template\0" + self.chat_template.source.encode("utf-8")
 
   def template_variables(self) -> dict[str, str]:
-    """The special tokens' texts a chat template reads (bos_token, eos_token, unk_token, pad_token)."""
+    """The special tokens' texts a chat template reads.
+
+    Returns:
+      bos_token, eos_token, unk_token and pad_token → their texts, for the tokens this tokenizer has.
+    """
     named = (
       ("bos_token", self.bos_id),
       ("eos_token", self.eos_id),
@@ -146,8 +181,19 @@ class TokenizerBase:
 class Tokenizer(TokenizerBase):
   """Encodes text to token ids and back with a sentencepiece model (``tokenizer.model``).
 
-  `side_files` are the files that came with it (name → bytes, see TokenizerBase); `directory` names where, for
-  messages."""
+  Any sentencepiece model loads, Meta's LLaMA 2 file included. Special-token texts such as "<s>" in the text are
+  encoded as ordinary characters, so text cannot forge a bos or eos: those are ids, added by `encode`'s `bos` and
+  `eos` or by the chat template.
+
+  Args:
+    model_path: the sentencepiece ``.model`` file.
+    side_files: the files that came with it, name → bytes (see TokenizerBase), or None.
+    directory: where they came from, named in messages; the model's directory when empty.
+
+  Raises:
+    TokenizerError: the model file does not exist or is not a sentencepiece model, or a side file is malformed.
+    ChatTemplateError: the side files' chat template does not compile.
+  """
 
   main_file = TOKENIZER_FILE
 
@@ -163,23 +209,27 @@ class Tokenizer(TokenizerBase):
 
   @property
   def vocab_size(self) -> int:
+    """The number of pieces in the vocabulary: every id is below it."""
     return self._sp.vocab_size()
 
   @property
   def bos_id(self) -> int:
+    """The beginning-of-sequence id, -1 when the model has none."""
     return self._sp.bos_id()
 
   @property
   def eos_id(self) -> int:
+    """The end-of-sequence id, -1 when the model has none."""
     return self._sp.eos_id()
 
   @property
   def pad_id(self) -> int:
-    """-1 when the model has no pad token (LLaMA 2 has none)."""
+    """The padding id, -1 when the model has no pad token (LLaMA 2 has none)."""
     return self._sp.pad_id()
 
   @property
   def unk_id(self) -> int:
+    """The id of unknown text, -1 when the model has none."""
     return self._sp.unk_id()
 
   @property
@@ -194,7 +244,19 @@ class Tokenizer(TokenizerBase):
     return frozenset(i for i in ids if self._sp.is_control(i) or self._sp.is_unknown(i))
 
   def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-    """Ids of `text`; special-token texts in it ("<s>") are ordinary characters."""
+    """The token ids of `text`; special-token texts in it, such as "<s>", are ordinary characters.
+
+    Args:
+      text: the text to encode.
+      bos: put the bos id first.
+      eos: put the eos id last.
+
+    Returns:
+      The ids.
+
+    Raises:
+      TokenizerError: `text` is not a str, or bos or eos is asked for and the model has no such token.
+    """
     if not isinstance(text, str):
       raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
     for wanted, name, token_id in ((bos, "bos", self.bos_id), (eos, "eos", self.eos_id)):
@@ -203,10 +265,19 @@ class Tokenizer(TokenizerBase):
     return self._sp.encode(text, add_bos=bos, add_eos=eos)
 
   def encode_rendered(self, text: str, plain_mark: str) -> tuple[list[int], list[int]]:
-    """(ids, where each token's text ends) of a rendered chat template: special-token texts become their ids, each
-    stretch between them is encoded on its own (as HF's conversion of the model encodes it, dummy prefix included),
-    and stretches between two `plain_mark`s are plain text. Ends are character offsets in the text without the
-    marks."""
+    """The ids of a rendered chat template, and where each token's text ends.
+
+    Special-token texts become their ids, each stretch between them is encoded on its own, as HF's conversion of the
+    model encodes it, dummy prefix included, and stretches between two `plain_mark`s are plain text.
+
+    Args:
+      text: the rendered template.
+      plain_mark: the mark a chat template puts around special-token texts inside message contents, so that they
+        are encoded as plain text.
+
+    Returns:
+      A tuple: the ids, and the end of each token's text as a character offset in `text` without the marks.
+    """
     ids: list[int] = []
     ends: list[int] = []
     shift = 0
@@ -233,16 +304,44 @@ class Tokenizer(TokenizerBase):
     return by_text, re.compile("(" + "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) + ")")
 
   def encode_batch(self, texts: Sequence[str], threads: int = -1) -> list[list[int]]:
-    """Encodes many texts on sentencepiece's thread pool (`threads` of it; -1: one per core), without bos/eos."""
+    """Encodes many texts on sentencepiece's thread pool, without bos or eos.
+
+    Args:
+      texts: the texts, a list of str.
+      threads: the threads to encode on, -1 for one per core.
+
+    Returns:
+      The ids of each text, in order.
+
+    Raises:
+      TokenizerError: `texts` is one str, or holds something other than str.
+    """
     return self._sp.encode(self._check_texts(texts), add_bos=False, add_eos=False, num_threads=threads)
 
   def decode(self, ids: Iterable[int]) -> str:
-    """Text of a 1-d sequence of ids (list or array); control ids (bos, eos, pad) decode to nothing."""
+    """The text of a 1-d sequence of ids; control ids (bos, eos, pad) decode to nothing.
+
+    Args:
+      ids: the ids, a list or an array.
+
+    Returns:
+      The text, "" for no ids.
+
+    Raises:
+      TokenizerError: `ids` is not a 1-d sequence of integers, or holds an id outside the vocabulary.
+    """
     ids_array = self._check_ids(ids)
     return "" if ids_array is None else self._sp.decode(ids_array.tolist())
 
   def id_to_piece(self, token_id: int) -> str:
-    """The vocabulary entry of one id ("▁the", "<0x0A>", "</s>")."""
+    """The vocabulary entry of one id, such as "▁the", "<0x0A>" or "</s>".
+
+    Args:
+      token_id: the id.
+
+    Returns:
+      Its piece.
+    """
     return self._sp.id_to_piece(int(token_id))
 
   def token_byte_lengths(self) -> np.ndarray:
@@ -269,6 +368,7 @@ class Tokenizer(TokenizerBase):
     return self._sp.serialized_model_proto()
 
   def main_file_bytes(self) -> bytes:
+    """The contents of the main file, ``tokenizer.model``: the `serialized` model proto."""
     return self.serialized()
 
 
@@ -450,14 +550,35 @@ def train_tokenizer(
   overwrite: bool = False,
   verbose: bool = False,
 ) -> str:
-  """Trains a lossless BPE tokenizer in Meta's layout on text files; returns the path of ``out_dir/<prefix>.model``.
+  """Trains a lossless BPE tokenizer in Meta's layout on text files.
 
-  Each non-empty line is a sentence (cut at spaces when longer than ``max_sentence_length`` bytes); sentencepiece
-  holds them all in memory. Undecodable bytes are read as U+FFFD; their count is logged as a warning per file
-  (``corpus_stats`` recounts them). The model is written under a temporary name and renamed into place, so
-  a failure never leaves a partial file, and an existing model is kept unless ``overwrite``.
+  Meta's layout: BPE with byte fallback, unk=0, bos=1, eos=2, no pad, with settings under which
+  ``decode(encode(s)) == s`` for any text. Each non-empty line is a sentence, cut at spaces when longer than
+  ``max_sentence_length`` bytes; sentencepiece holds them all in memory. Undecodable bytes are read as U+FFFD; their
+  count is logged as a warning per file (``corpus_stats`` recounts them). The model is written under a temporary
+  name and renamed into place, so a failure never leaves a partial file, and an existing model is kept unless
+  ``overwrite``.
 
   Long for one reason: the trainer call names every sentencepiece setting that makes the model lossless, each with why.
+
+  Args:
+    inputs: the text files to train on.
+    vocab_size: the pieces of the vocabulary, special and byte tokens included.
+    out_dir: the directory to write the model into, created if needed.
+    model_prefix: the model's file name, without ``.model``.
+    num_threads: sentencepiece's training threads.
+    max_sentence_length: the most UTF-8 bytes of one sentence, at least 4.
+    character_coverage: the share of characters that get a piece of their own; with byte fallback the others cost a
+      few byte tokens, and no text is lost.
+    overwrite: replace an existing model.
+    verbose: let sentencepiece log its training.
+
+  Returns:
+    The path of ``out_dir/<model_prefix>.model``.
+
+  Raises:
+    TokenizerError: a bad argument, a missing or unreadable input file, a model already there without `overwrite`,
+      no text to train on, a `vocab_size` the corpus cannot support, or a failure to write the model.
   """
   if not isinstance(vocab_size, int) or vocab_size <= 0:
     raise TokenizerError(f"vocab_size must be a positive integer, got {vocab_size!r}")

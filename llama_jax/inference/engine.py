@@ -39,9 +39,23 @@ PREFILL_TOKENS = 1024
 
 
 class Engine:
-  """Continuous batching over a Sampler's placed model: `slots` concurrent requests of up to `max_len` tokens
-  (prompt + new) each. `submit` queues a request from any thread; `start` runs the scheduler in a background thread
-  (or call `step` yourself). Slots must be a multiple of the mesh's data axis (rows are split over it)."""
+  """Continuous batching over a Sampler's placed model: `slots` concurrent requests share one KV cache.
+
+  `submit` queues a request from any thread; `start` runs the scheduler in a background thread, where a failure in a
+  step ends the running requests with finish_reason "error" and the slots start again, or call `step` yourself.
+
+  Args:
+    sampler: the placed model, its mesh, stop ids and cache layout.
+    slots: the concurrent requests; a multiple of the mesh's data axis, since rows are split over it.
+    max_len: the tokens of a slot, prompt + new, in [2, ``max_seq_len``]; None: the model's ``max_seq_len``.
+    steps_per_call: decode steps of one compiled call, between which the host hands out tokens and admits requests.
+    max_queue: the requests that may wait for a slot; `submit` refuses more.
+    max_prefill_tokens: rows × prompt bucket one admission call may prefill; None: max(`max_len`, PREFILL_TOKENS).
+    prefill_chunk: 0: whole prompts; a power of two ≤ `max_len`: a longer prompt is prefilled by chunks, one per `step`.
+
+  Raises:
+    EngineError: `max_len`, `slots`, `steps_per_call` or `prefill_chunk` is out of range.
+  """
 
   def __init__(
     self,
@@ -164,8 +178,12 @@ class Engine:
     )
 
   def warmup(self) -> float:
-    """Compiles every program a request can need (prefill-and-insert for each prompt bucket, the step for each
-    number of rows) before the first request, so none compiles while clients wait; returns the seconds taken."""
+    """Compile every program a request can need (prefill-and-insert for each prompt bucket, the step for each
+    number of rows) before the first request, so none compiles while clients wait; returns the seconds taken.
+
+    Raises:
+      EngineError: a request was submitted already.
+    """
     if self.pending():
       raise EngineError("warmup() runs before the first request")
     start = time.perf_counter()
@@ -193,7 +211,11 @@ class Engine:
   # ---- requests ----
 
   def validate(self, request: Request) -> None:
-    """Raises EngineError (naming the value and the allowed range) for a request this engine cannot run."""
+    """Check that this engine can run `request`.
+
+    Raises:
+      EngineError: naming the value and its allowed range: the prompt, `max_tokens` or a sampling setting.
+    """
     n = len(request.prompt)
     if n == 0:
       raise EngineError("the prompt is empty: it needs at least one token")
@@ -213,8 +235,18 @@ class Engine:
     check_sampling(request.temperature, request.top_k, request.top_p, request.seed, vocab, error=EngineError)
 
   def submit(self, request: Request) -> Request:
-    """Queues a request (validated first); its outputs arrive through `request.on_output`. Refused when
-    `max_queue` requests already wait (EngineBusy), or when the engine's thread has died (EngineError)."""
+    """Queue a request, validated first, from any thread; its outputs arrive through `request.on_output`.
+
+    Args:
+      request: the request to run.
+
+    Returns:
+      The same request.
+
+    Raises:
+      EngineError: the request fails `validate`, or the engine's thread has died.
+      EngineBusy: `max_queue` requests already wait.
+    """
     self.validate(request)
     with self._wake:  # `failure` is set under the same lock as the last drain of the queue: nothing joins it after
       if self.failure is not None:
@@ -237,8 +269,12 @@ class Engine:
     return self.failure is None and (self._thread is None or self._thread.is_alive())
 
   def cancel(self, request: Request) -> None:
-    """Stops a request (client gone, stop string seen): it receives no output from now on (no finish either), and
-    its slot is freed before the next step."""
+    """Stop a request (client gone, stop string seen): it receives no output from now on (no finish either), and
+    its slot is freed before the next step.
+
+    Args:
+      request: a request given to `submit`.
+    """
     request.cancelled = True
     with self._wake:
       self._wake.notify()
@@ -268,7 +304,11 @@ class Engine:
 
   def step(self) -> bool:
     """One round: drop cancelled requests, admit waiting ones into free slots (a long prompt: one more chunk of its
-    prefill), run one chunk of decode steps and hand out the tokens. False when there was nothing to do."""
+    prefill), run one chunk of decode steps and hand out the tokens.
+
+    Returns:
+      False when there was nothing to do, True otherwise.
+    """
     for slot, request in enumerate(self._slot_requests):
       if request is not None and request.cancelled:
         self._finish(slot, "cancelled")
@@ -482,7 +522,7 @@ class Engine:
   # ---- background thread ----
 
   def start(self) -> Engine:
-    """Runs the scheduler in a daemon thread until `stop`."""
+    """Runs the scheduler in a daemon thread until `stop`; returns this engine."""
     if self._thread is None:
       self._stopping = False
       self._thread = threading.Thread(target=self._run, name="llama_jax-engine", daemon=True)
@@ -538,7 +578,11 @@ class Engine:
       self.state = self._empty_state()
 
   def generate(self, requests: Sequence[Request], timeout: float = 600.0) -> None:
-    """Runs the requests to the end on the calling thread (engine not started): tests and benches."""
+    """Runs the requests to the end on the calling thread (engine not started): tests and benches.
+
+    Raises:
+      EngineError: a request is refused by `submit`, or requests still run after `timeout`.
+    """
     for request in requests:
       self.submit(request)
     deadline = time.monotonic() + timeout

@@ -84,11 +84,43 @@ def evaluate(
   by_position: bool = False,
   rope: dict | None = None,
 ) -> dict[str, float]:
-  """Metrics of the latest (or given) checkpoint step on `sources` (or the run's validation split), with the weights
-  placed as for decoding (``placement``: split over `tensor`, windows over `data`; default one device), cast to
-  `dtype` and quantized as asked, so a loss measures exactly the weights the sampler would decode with. With
-  `by_position`, also "loss_by_position": the mean loss at each position 0 .. seq_len-1 of the windows (a list).
-  `rope` overrides the checkpoint's rotary settings (ModelConfig fields; RoPE has no weights)."""
+  """Evaluate a checkpoint step on `sources`, or the run's validation split: loss, perplexity and bits per byte.
+
+  The weights are placed as for decoding (``placement``: split over `tensor`, windows over `data`), cast to `dtype`
+  and quantized as asked, so a loss measures exactly the weights the sampler would decode with. The text is cut into
+  windows of `seq_len` tokens that tile it, whose targets are scored.
+
+  Args:
+    checkpoint_dir: the checkpoint directory: model config, tokenizer and parameters come from it.
+    sources: source specs to tokenize and score: files, directories, globs or ``shakespeare``; empty: the run's
+      prepared validation split.
+    seq_len: tokens per window; 0: the run's ``train.seq_len``, else the smaller of the model's ``max_seq_len`` and
+      1024.
+    batch_size: windows per batch, a multiple of the mesh's data axis; 0: the run's ``train.batch_size``, else 8.
+    max_batches: score at most this many batches; 0: all.
+    text_field: the field that holds each record's text in sources of records such as JSONL.
+    mesh: the decode mesh; None: one device.
+    dtype: cast the weights and compute to this dtype; None: as stored.
+    quantize: "int8": weight-only int8 with per-output-channel scales; "none": float.
+    step: the checkpoint step; None: the latest complete one.
+    by_position: also return "loss_by_position": the mean loss at each position 0 .. seq_len-1 of the windows, a
+      list.
+    rope: overrides of the checkpoint's rotary settings, as ModelConfig fields; RoPE has no weights.
+
+  Returns:
+    ``loss`` per token, ``perplexity``, ``bits_per_byte``, the scored ``tokens`` and ``words``, and
+    ``word_perplexity``: exp(total nats / words), which compares across tokenizers; with `by_position`, also
+    ``loss_by_position``.
+
+  Raises:
+    ConfigError: a bad `rope` value, refused before any weight is read.
+    CheckpointError: the directory is not a llama_jax checkpoint, has no tokenizer, or has no complete step, not
+      `step`, or damaged files.
+    DataError: no validation split is prepared and no `sources` are given, or the text has fewer than
+      `seq_len` + 1 tokens.
+    InferenceError: `batch_size` is not a multiple of the mesh's data axis, or the mesh, dtype or quantization does
+      not fit the model.
+  """
   model_cfg = checkpoint_params.read_model_config(checkpoint_dir)
   model_cfg.replace(**(rope or {}))  # a bad --rope value is refused (ConfigError) before any weight is read
   tokenizer = checkpoint_params.load_tokenizer(checkpoint_dir, "evaluation needs one")

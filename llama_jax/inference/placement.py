@@ -69,9 +69,24 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def decode_mesh(mesh: str | Mapping[str, int] | None = None, devices=None) -> Mesh:
-  """The (data, fsdp, tensor) decode mesh over `devices` (default: all). Default layout: every device on `tensor`
-  when there is more than one; an explicit mesh of fewer devices takes the first ones (single process). fsdp must
-  stay 1: gathering weights per token is what decoding avoids."""
+  """The (data, fsdp, tensor) decode mesh over `devices`: weights split over `tensor`, batch rows over `data`.
+
+  Default layout: every device on `tensor` when there is more than one; a mesh that names `data` but not `tensor`
+  puts the rest of the devices on `tensor`. An explicit mesh of fewer devices takes the first ones (single process).
+  fsdp must stay 1: gathering weights per token is what decoding avoids.
+
+  Args:
+    mesh: axis sizes as ``--mesh`` text such as ``data=1,tensor=-1`` or a mapping, -1 for the devices the other axes
+      leave; None: every device on `tensor`.
+    devices: the devices to use; None: all devices of all processes.
+
+  Returns:
+    The mesh, axes other than data and tensor of size 1.
+
+  Raises:
+    InferenceError: the text is not AXIS=SIZE pairs, names an axis other than data, fsdp and tensor, sets fsdp
+      other than 1, or the sizes do not fit the devices.
+  """
   devices = list(jax.devices() if devices is None else devices)
   spec = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or {"tensor": -1})
   if spec.get("fsdp", 1) != 1:
@@ -153,11 +168,32 @@ def place_params(
   quantize: str = "none",
   donate: bool = False,
 ) -> tuple[ModelConfig, Any]:
-  """(decode config, params on `mesh` in the decoding layout) from params of `cfg` in either layout, held anywhere:
-  numpy on the host (sliced and cast there, each device receiving only its shard), or jax arrays on any devices
-  (transformed leaf by leaf under jit into their target shardings; with `donate` each source leaf is deleted once
-  used, so the peak is the model plus one stacked leaf, never two models). Its inner `layer_leaf` is the one
-  transformation of a leaf, whichever layout and wherever it is held; the loop around it only walks the tree."""
+  """Place a model's params on `mesh` in the decoding layout: one entry per layer, kv heads repeated, cast, quantized.
+
+  The params may be of `cfg` in either layout, stacked or unstacked, held anywhere: numpy on the host (sliced and
+  cast there, each device receiving only its shard), or jax arrays on any devices (transformed leaf by leaf under
+  jit into their target shardings; with `donate` each source leaf is deleted once used, so the peak is the model plus
+  one stacked leaf, never two models). A jax array already in its target sharding and dtype is kept as it is. Its
+  inner `layer_leaf` is the one transformation of a leaf, whichever layout and wherever it is held; the loop around
+  it only walks the tree.
+
+  Args:
+    cfg: the model config the params are of.
+    params: the params as a pure nested dict.
+    mesh: the decode mesh, as `decode_mesh` makes it.
+    dtype: cast the weights and compute to this dtype; None: as stored.
+    quantize: "int8" quantizes the projections and the embedding to int8 with per-output-channel scales; "none"
+      keeps them float.
+    donate: delete each source jax array once it is placed.
+
+  Returns:
+    The decode config (kv heads repeated to fill the tensor axis, `dtype`, quantization) and the placed params.
+
+  Raises:
+    InferenceError: `dtype` is not a known dtype, the tensor axis does not fit the model's heads, or a parameter is
+      missing, unknown or of the wrong shape for `cfg`.
+    QuantizeError: int8 is asked for params that are already quantized.
+  """
   out_cfg = decode_config(cfg, mesh, dtype)
   repeats = out_cfg.n_kv_heads // cfg.n_kv_heads
   targets = decode_targets(out_cfg, mesh)

@@ -298,8 +298,28 @@ class Sampler:
   """Compiled prefill and decode for one model on one mesh; programs are cached per (sampling, length, stops).
 
   `params` are the model's in either layout, anywhere (host numpy, one device, or already sharded); they are placed
-  in the decoding layout with the decode shardings of `mesh` (see ``placement``; default: one device), cast to
-  `dtype` and quantized as asked. `donate` frees the given arrays as they are placed (loading from a checkpoint).
+  in the decoding layout with the decode shardings of `mesh` (see ``placement``), cast to `dtype` and quantized as
+  asked. Batch rows are split over the mesh's `data` axis, weights over `tensor`. The Engine runs its continuous
+  batching on a Sampler's placed model.
+
+  Args:
+    cfg: the model config the params are of.
+    params: the model's params as a pure nested dict, stacked or unstacked.
+    eos_id: the end-of-sequence token: a row stops there.
+    pad_id: the token that pads prompts; None or negative: `eos_id`.
+    stop_ids: the model's other stop tokens, e.g. a generation config's eos_token_id list.
+    mesh: the decode mesh; None: one device.
+    dtype: cast the weights and compute to this dtype; None: as stored.
+    quantize: "int8": weight-only int8 with per-output-channel scales; "none": float.
+    donate: free the given arrays as they are placed (loading from a checkpoint).
+    cache_layout: the physical order of each KV cache buffer, major to minor; "auto": the platform's, slot-major on
+      TPU where the head dim is a multiple of 128; None: row-major.
+    prefill_chunk: prompts go into the cache this many tokens per model call, so prefill temporaries scale with the
+      chunk, not the prompt; 0: the whole prompt in one call.
+
+  Raises:
+    SampleError: `prefill_chunk` is negative.
+    InferenceError: the mesh, dtype or params do not fit the model.
   """
 
   def __init__(
@@ -344,9 +364,19 @@ class Sampler:
     )
 
   def weight_bytes_per_device(self) -> int:
+    """The most bytes of placed weights any one device of this process holds."""
     return placement.per_device_bytes(self.params)
 
   def cache_bytes_per_device(self, batch: int, length: int) -> int:
+    """Bytes of one device's share of the KV cache of a batch.
+
+    Args:
+      batch: the prompts, padded here to a multiple of the data axis.
+      length: the cache's slots per row.
+
+    Returns:
+      The bytes of one device's share.
+    """
     return placement.cache_bytes_per_device(self.cfg, self.mesh, placement.padded_rows(batch, self.mesh), length)
 
   # Cached per sampler (the cache holding `self` is intended: a sampler lives as long as its compiled programs).
@@ -367,8 +397,15 @@ class Sampler:
     )
 
   def empty_cache(self, batch: int, length: int) -> KVCache:
-    """A KV cache of `batch` rows and `length` slots created directly in its shards and memory layout (one program
-    per shape, compiled once per sampler)."""
+    """A KV cache created directly in its shards and memory layout; one program per shape, compiled once per sampler.
+
+    Args:
+      batch: the cache's rows.
+      length: the slots of each row.
+
+    Returns:
+      The empty per-layer cache.
+    """
     return self._empty_cache(self.cfg, batch, length)
 
   def _put(self, host: np.ndarray, spec: PartitionSpec) -> jax.Array:
@@ -386,10 +423,27 @@ class Sampler:
     chunk: int = 0,
     on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
   ) -> list[list[int]]:
-    """Each prompt's new tokens, cut after the first stop token (the sampler's or `stop_ids`; kept out of the text).
+    """Generate each prompt's new tokens, cut at the first stop token (the sampler's or `stop_ids`; kept out).
 
-    With `chunk` > 0 the loop runs `chunk` tokens per call and `on_tokens(new_tokens [B, n], done [B])` sees them as
-    they come (streaming); otherwise one call runs to the end.
+    The prompts are right-padded to a power-of-two bucket and prefilled in one call, then the decode loop runs. With
+    `chunk` > 0 the loop runs `chunk` tokens per call and `on_tokens(new_tokens [B, n], done [B])` sees them as they
+    come (streaming); otherwise one call runs to the end. Programs are compiled once per `sampling`,
+    `max_new_tokens` and stop tokens.
+
+    Args:
+      prompts: token ids of each prompt, at least one, none empty.
+      max_new_tokens: at most this many new tokens per prompt, at least 1.
+      sampling: the setting for every row; default greedy.
+      seed: the seed of the draws.
+      stop_ids: stop tokens for this call, besides the sampler's own.
+      chunk: tokens per decode call when streaming; 0: one call.
+      on_tokens: called after each call with the new tokens [B, n] and each row's done flag [B].
+
+    Returns:
+      Each prompt's new tokens, in the order of `prompts`.
+
+    Raises:
+      SampleError: as `validate` raises it.
     """
     self.validate(prompts, max_new_tokens)
     stops = tuple(sorted({*self.stop_ids, *stop_ids}))
@@ -426,6 +480,16 @@ class Sampler:
     return [_until_stop(row, stops) for row in tokens]
 
   def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Check that `generate` can run these prompts.
+
+    Args:
+      prompts: token ids of each prompt.
+      max_new_tokens: the new tokens asked for.
+
+    Raises:
+      SampleError: no prompt, an empty prompt, `max_new_tokens` below 1, or the longest prompt + `max_new_tokens`
+        beyond the model's ``max_seq_len``.
+    """
     if not prompts:
       raise SampleError("no prompt given: pass at least one non-empty prompt")
     for i, prompt in enumerate(prompts):
@@ -459,9 +523,27 @@ def load_sampler(
   step: int | None = None,
   prefill_chunk: int = 0,
 ) -> tuple[Sampler, Tokenizer]:
-  """A Sampler and the tokenizer of a checkpoint directory (from training or conversion), its weights (of `step`,
-  default the latest) restored straight into their decode shardings on `mesh` (default: one device), cast to
-  `dtype`, quantized as asked."""
+  """A Sampler and the tokenizer of a checkpoint directory, from training or conversion.
+
+  The weights are restored straight into their decode shardings on `mesh`, cast to `dtype` on the way in and
+  quantized as asked. The sampler stops at the tokenizer's eos and its generation config's stop tokens.
+
+  Args:
+    checkpoint_dir: the checkpoint directory, local or remote.
+    mesh: the decode mesh; None: one device.
+    dtype: cast the weights and compute to this dtype; None: as stored.
+    quantize: "int8": weight-only int8 with per-output-channel scales; "none": float.
+    step: the checkpoint step to read; None: the latest complete one.
+    prefill_chunk: tokens per prefill call, as `Sampler` takes it; 0: the whole prompt in one call.
+
+  Returns:
+    The sampler and the directory's tokenizer.
+
+  Raises:
+    CheckpointError: the directory does not exist, is not a llama_jax checkpoint, has no tokenizer or one of
+      another model, or has no complete step, not `step`, or damaged files.
+    InferenceError: the mesh, dtype or quantization does not fit the model.
+  """
   checkpoint_params.read_model_config(checkpoint_dir)  # a missing or foreign directory is named before anything else
   tokenizer = checkpoint_params.load_tokenizer(checkpoint_dir, "sampling needs one")
   mesh = mesh if mesh is not None else placement.decode_mesh(devices=jax.local_devices()[:1])

@@ -67,8 +67,20 @@ def check_sampling(
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """One setting for a whole batch (the Sampler): temperature 0 is greedy; top_k 0 and top_p 1.0 switch those
-  filters off."""
+  """One sampling setting for a whole batch, as the Sampler takes it; checked when it is made.
+
+  Logits are scaled by the temperature, then cut to the top-k, then to the top-p nucleus, all in float32. Frozen and
+  hashable: the Sampler compiles its programs once per setting.
+
+  Attributes:
+    temperature: 0 is greedy, the argmax; must be ≥ 0.
+    top_k: keep the k most likely tokens; 0 switches the filter off.
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1]; 1.0 switches the
+      filter off.
+
+  Raises:
+    SampleError: a setting is out of range; the message names the value and the allowed range.
+  """
 
   temperature: float = 0.0
   top_k: int = 0

@@ -415,9 +415,30 @@ def _write_tokenizer_config(out_dir: str, tokenizer_path: str) -> None:
 
 
 def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
-  """HF directory → new llama_jax checkpoint directory (params at step 0, model config, tokenizer if present).
+  """Converts a transformers Llama or Mixtral directory into a new llama_jax checkpoint directory.
+
+  The output holds the params at step 0, the model config and the tokenizer with its side files, if present.
+  Conversion streams tensor by tensor from the safetensors files straight into the params, and is honest: every
+  stored tensor must be one config.json accounts for, and every tensor it implies must be stored. The params keep
+  the stored dtype where all tensors share one of the dtypes llama_jax reads, so a round trip is bit-exact.
   Everything is read and checked before anything is written, and the output is written beside `out_dir` and renamed
-  into place: a failure leaves no output directory."""
+  into place: a failure leaves no output directory.
+
+  Args:
+    hf_dir: the HF directory: config.json and one or sharded safetensors files, with an index when sharded.
+    out_dir: the new checkpoint directory; it must not exist or be empty.
+
+  Returns:
+    The model config of config.json, its param_dtype the stored one when all tensors share it.
+
+  Raises:
+    ConvertError: `out_dir` is not empty; config.json, the index or a tensor is missing, malformed, or not one
+      llama_jax can express; a stored lm_head under a tied config differs from the embedding; a weight holds NaN or
+      infinity; or the tokenizer has more tokens than the model's embedding has rows.
+    SafetensorsError: a safetensors file cannot be read, stores a tensor twice, or holds a dtype llama_jax does
+      not read.
+    TokenizerError: the directory's tokenizer is broken.
+  """
   check_new_output(out_dir)
   cfg, reader = open_hf_dir(hf_dir)
   with contextlib.closing(reader):
@@ -431,8 +452,28 @@ def from_hf(hf_dir: str, out_dir: str) -> ModelConfig:
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30, step: int | None = None) -> ModelConfig:
-  """llama_jax checkpoint directory (latest or given step) → new HF directory; a LoRA workdir gives its merged
-  weights."""
+  """Converts a llama_jax checkpoint directory into a new transformers directory, a LoRA workdir merged.
+
+  The output holds config.json for LlamaForCausalLM, or MixtralForCausalLM for a mixture of experts, the weights as
+  model.safetensors or as shards with an index, and the tokenizer and its side files, if present. Conversion
+  restores one parameter at a time and writes each HF tensor in pieces, so the whole model is never held twice. The
+  output is written beside `out_dir` and renamed into place: a failure leaves no output directory.
+
+  Args:
+    checkpoint_dir: the llama_jax checkpoint directory or LoRA workdir.
+    out_dir: the new HF directory; it must not exist or be empty.
+    max_shard_bytes: the most bytes of one safetensors file; a larger model is split into shards with an index.
+    step: the step to convert, or None for the latest complete one.
+
+  Returns:
+    The checkpoint's model config.
+
+  Raises:
+    ConvertError: `out_dir` is not empty, or the model has no HF form: a norm other than RMSNorm before each
+      sub-layer, or a mixture of experts HF Mixtral cannot express.
+    CheckpointError: the checkpoint directory or the step is missing or damaged.
+    LoraError: the base a LoRA workdir adapts has changed since the run started from it.
+  """
   check_new_output(out_dir)
   check_hf_expressible(checkpoint_params.read_model_config(checkpoint_dir), repr(checkpoint_dir))
   reader = checkpoint_params.open_reader(checkpoint_dir, step)

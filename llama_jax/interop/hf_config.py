@@ -66,9 +66,25 @@ def hf_value(hf: Mapping[str, Any], key: str, kind: str, where: str, default: An
 
 
 def model_config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
-  """ModelConfig from a transformers Llama ``config.json`` (`where` names it in messages); features llama_jax lacks
-  are refused by name, and so is a missing or mistyped key. Long because it reads the config key by key, each checked
-  where it is read (a table would hide the checks that differ per key)."""
+  """The ModelConfig of a transformers Llama or Mixtral ``config.json``.
+
+  Features llama_jax lacks are refused by name, and so is a missing or mistyped key; optional keys take a default
+  when absent. RoPE theta and scaling are read from ``rope_parameters`` too, where transformers 5 keeps them. Long
+  because it reads the config key by key, each checked where it is read: a table would hide the checks that differ
+  per key.
+
+  Args:
+    hf: the parsed config.json.
+    where: what to call it in messages, e.g. its path.
+
+  Returns:
+    The model config, its dtype and param_dtype the config's dtype, float32 when it names none.
+
+  Raises:
+    ConvertError: a missing required key, a value of the wrong kind, a model type other than llama or mixtral, a
+      feature llama_jax does not support (biases, an activation other than silu, a sliding window, router jitter, a
+      head_dim other than hidden_size / num_attention_heads), or values that do not describe a valid model.
+  """
   model_type = hf_value(hf, "model_type", "a string", where, "llama")
   if model_type not in MODEL_TYPES:
     raise ConvertError(f"{where} has model_type={model_type!r}; supported: {', '.join(MODEL_TYPES)}")

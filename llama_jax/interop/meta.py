@@ -320,9 +320,26 @@ def _release_pages(tensor: Any) -> None:
 
 
 def from_meta(meta_dir: str, out_dir: str) -> tuple[ModelConfig, str]:
-  """Meta's LLaMA 2 or Llama 3.x download (params.json, consolidated.NN.pth, tokenizer.model) → new llama_jax
-  checkpoint directory; returns its config and a line on its tokenizer. Everything is checked before anything is
-  written; a failure leaves no output directory."""
+  """Converts Meta's LLaMA 2 or Llama 3.x download into a new llama_jax checkpoint directory.
+
+  The download is params.json, the model-parallel shards consolidated.NN.pth and tokenizer.model. The shards are
+  memory-mapped and merged piece by piece into the params, the rows of wq and wk permuted from Meta's interleaved
+  RoPE pairs to the half-split layout llama_jax and HF use. A sentencepiece tokenizer.model is copied along; Llama
+  3's tiktoken table is left out, since llama_jax cannot read it. Everything is checked before anything is written;
+  a failure leaves no output directory.
+
+  Args:
+    meta_dir: the directory of Meta's download.
+    out_dir: the new checkpoint directory; it must not exist or be empty.
+
+  Returns:
+    A tuple: the model config, and a line saying what became of the tokenizer.
+
+  Raises:
+    MetaCheckpointError: params.json or a shard is missing, unreadable or not the model params.json describes, a
+      piece holds NaN or infinity, or torch, which reads the shards, is not installed.
+    ConvertError: `out_dir` is not empty.
+  """
   check_new_output(out_dir)
   shards = MetaShards(meta_dir, lambda cfg: {t.name: t.shape for t in hf_tensor_plan(cfg)})
   cfg, params = shards.cfg, empty_params(shards.cfg)

@@ -86,8 +86,25 @@ def _lora_record(directory: str) -> dict[str, Any]:
 
 
 def merge_lora(checkpoint_dir: str, out_dir: str, step: int | None = None) -> ModelConfig:
-  """LoRA workdir → new llama_jax checkpoint directory of the merged weights (W + scale·A·B: the reader's one merge,
-  so this directory reads back as the same bits the workdir reads as)."""
+  """Converts a LoRA workdir into a new llama_jax checkpoint directory of the merged weights.
+
+  Each targeted weight becomes W + scale·A·B, the reader's one merge, so this directory reads back as the same bits
+  the workdir reads as: a plain model every command reads, and a base for another run. The workdir's tokenizer and
+  its side files are copied along.
+
+  Args:
+    checkpoint_dir: the LoRA workdir.
+    out_dir: the new checkpoint directory; it must not exist or be empty.
+    step: the workdir's step to merge, or None for the latest complete one.
+
+  Returns:
+    The model config, the base's.
+
+  Raises:
+    ConvertError: `checkpoint_dir` is not a LoRA workdir, or `out_dir` is not empty.
+    LoraError: the base the workdir adapts has changed since the run started from it.
+    CheckpointError: the base's or the workdir's step is missing or damaged.
+  """
   record = _lora_record(checkpoint_dir)
   check_new_output(out_dir)
   with contextlib.closing(checkpoint_params.MergedReader(checkpoint_dir, record, step)) as reader:
@@ -102,7 +119,25 @@ def merge_lora(checkpoint_dir: str, out_dir: str, step: int | None = None) -> Mo
 
 
 def to_peft(checkpoint_dir: str, out_dir: str, step: int | None = None) -> ModelConfig:
-  """LoRA workdir → new peft adapter directory for the HF export of its base."""
+  """Converts a LoRA workdir into a new peft adapter directory for the HF export of its base.
+
+  The directory holds adapter_config.json, plain LoRA, and adapter_model.safetensors, named as peft saves them for
+  LlamaForCausalLM. ``PeftModel.from_pretrained(base, out_dir)`` on the base's `to_hf` export then gives this
+  model's logits.
+
+  Args:
+    checkpoint_dir: the LoRA workdir.
+    out_dir: the new adapter directory; it must not exist or be empty.
+    step: the workdir's step to export, or None for the latest complete one.
+
+  Returns:
+    The workdir's model config.
+
+  Raises:
+    ConvertError: `checkpoint_dir` is not a LoRA workdir, `out_dir` is not empty, or the base has no HF form.
+    LoraError: the base the workdir adapts has changed since the run started from it.
+    CheckpointError: the workdir's step is missing or damaged.
+  """
   record = _lora_record(checkpoint_dir)
   check_new_output(out_dir)
   records.check_base(checkpoint_dir, record)

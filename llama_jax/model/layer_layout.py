@@ -20,7 +20,19 @@ def blocks_per_unit(cfg: ModelConfig) -> int:
 
 
 def unstack_layers(params: dict) -> dict:
-  """Pure-dict params of a stacked Llama → those of ``llama.Llama(cfg, stacked_layers=False)`` (one dict per layer)."""
+  """The pure-dict params of a stacked Llama, rearranged for ``llama.Llama(cfg, stacked_layers=False)``.
+
+  The stacked layout, which training uses, gives every `layers` leaf a leading axis over the layers, or over groups
+  of `moe.every` blocks when only every `moe.every`-th block is a mixture of experts. The unstacked layout, which
+  decoding uses, holds one dict per layer: {0: block 0's params, 1: ...}, each a slice of the stacked leaves, in
+  order. The other entries of `params` are passed through as they are.
+
+  Args:
+    params: pure-dict params of a stacked Llama, such as ``nnx.to_pure_dict`` of its state.
+
+  Returns:
+    A new dict: `params` with `layers` replaced by one dict per layer.
+  """
   return dict(params, layers=dict(enumerate(layer_params(params["layers"]))))
 
 

@@ -399,23 +399,30 @@ _REMAT_POLICIES = {
 
 
 class Llama(nnx.Module):
-  """Token embedding → L blocks → final norm (pre-norm models; `cfg.norm`, RMSNorm for LLaMA) → LM head (tied or not).
+  """LLaMA as one flax.nnx module: token embedding, L blocks, final norm and LM head, tied or not.
 
-  `__call__(tokens, positions, segment_ids) -> logits` is the full forward (training, evaluation);
-  `decode(tokens, positions, cache) -> (logits, cache)` runs new tokens against a KV cache (prefill and each step).
+  The final norm is the one `cfg.norm` names, RMSNorm for LLaMA, and only pre-norm models have it: post-norm blocks
+  hand on a normalised stream already. Calling the model, `model(tokens, positions, segment_ids) -> logits`, is the
+  full forward of training and evaluation; `decode(tokens, positions, cache) -> (logits, cache)` runs new tokens
+  against a KV cache, for a prefill and for each step of decoding.
 
-  Two layouts of the same parameters. Stacked (the default): one Block whose every parameter has a leading layers
-  axis, run by one ``lax.scan`` (compile time independent of depth; the training layout); with `moe.every` > 1, one
-  BlockGroup of `every` blocks with the leading axis L/every (block i is then group i // every's block i % every).
-  `stacked_layers=False`: a list of L separate blocks (params from `unstack_layers`), the decoding layout: a step
-  then reads each layer's weights and writes its cache buffers in place, where slicing them out of stacked arrays
-  copied every weight per step on XLA:CPU (BENCHMARKS.md, "Figures behind the code"). Each layout decodes with its
-  own cache:
-  per-layer buffers for the decoding layout (what the ``Sampler`` runs), one stacked [L, B, K, S, H] cache in the
-  scan carry for the stacked layout (tests, and models too deep to unroll).
+  Two layouts of the same parameters. Stacked, the default and the training layout: one Block whose every parameter
+  has a leading layers axis, run by one ``lax.scan``, so the compile time does not depend on the depth; with
+  `moe.every` > 1, one BlockGroup of `every` blocks with the leading axis L/every, block i being group i // every's
+  block i % every. `stacked_layers=False`, the decoding layout: a list of L separate blocks, with params from
+  `unstack_layers`. A step then reads each layer's weights and writes its cache buffers in place, where slicing them
+  out of stacked arrays copied every weight per step on XLA:CPU (BENCHMARKS.md, "Figures behind the code"). Each
+  layout decodes with its own cache: per-layer buffers for the decoding layout, which the ``Sampler`` runs, and one
+  stacked [L, B, K, S, H] cache in the scan carry for the stacked layout, for tests and models too deep to unroll.
 
-  With `lora` (a ``LoraConfig`` of rank > 0), the targeted projections also hold low-rank adapters (lora.py), for
-  LoRA training; everything that only runs a model loads the adapters merged into the weights instead.
+  With `lora`, a ``LoraConfig`` of rank > 0, the targeted projections also hold low-rank adapters (lora.py) for LoRA
+  training; everything that only runs a model loads the adapters merged into the weights instead.
+
+  Args:
+    cfg: the model's hyper-parameters, dtypes and kernels.
+    rngs: the random streams the parameters are initialised from.
+    stacked_layers: the stacked layout (True) or one block per layer (False).
+    lora: adapters to add to the projections it targets, or None for none.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stacked_layers: bool = True, lora: LoraConfig | None = None):
@@ -444,24 +451,55 @@ class Llama(nnx.Module):
 
   @property
   def stacked(self) -> bool:
+    """Whether the layers are in the stacked layout, the one `stacked_layers=True` builds."""
     return not isinstance(self.layers, nnx.List)
 
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
-    """Float32 logits [B, T, V]. Positions default to 0..T-1. Tokens attend only to earlier tokens with their
-    segment id (packed sequences); id 0 marks padding."""
+    """The full forward: float32 logits [B, T, V] of every position.
+
+    Each token attends only to the earlier tokens with its own segment id, so that packed sequences stay apart.
+
+    Args:
+      tokens_BT: token ids [B, T].
+      positions_BT: the tokens' positions [B, T], or None for 0..T-1 in every row.
+      segment_ids_BT: the tokens' segment ids [B, T], id 0 marking padding, or None for one sequence per row.
+
+    Returns:
+      Float32 logits [B, T, V].
+    """
     return self.logits(self.hidden(tokens_BT, positions_BT, segment_ids_BT))
 
   def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
-    """The residual stream after the last block [B, T, D], before the final norm and the head (`logits`): what a
-    loss computed in chunks of the sequence projects a chunk at a time."""
+    """The residual stream after the last block [B, T, D], before the final norm and the head.
+
+    What a loss computed in chunks of the sequence projects a chunk at a time, through `logits`.
+
+    Args:
+      tokens_BT: token ids [B, T].
+      positions_BT: the tokens' positions [B, T], or None for 0..T-1 in every row.
+      segment_ids_BT: the tokens' segment ids [B, T], id 0 marking padding, or None for one sequence per row.
+
+    Returns:
+      The residual stream [B, T, D].
+    """
     return self.forward(tokens_BT, positions_BT, segment_ids_BT)[0]
 
   def forward(
     self, tokens_BT: Array, positions_BT: Array | None = None, segment_ids_BT: Array | None = None
   ) -> tuple[Array, dict[str, Array]]:
-    """(`hidden`'s residual stream [B, T, D], router sums [L_moe, ...] of a mixture of experts (moe.router_sums, one
-    row per MoE block; an empty dict for a dense model)): what the training objective reads for its balance
-    losses."""
+    """The residual stream of `hidden` and the router sums of a mixture of experts.
+
+    What the training objective reads: the router sums give its balance losses.
+
+    Args:
+      tokens_BT: token ids [B, T].
+      positions_BT: the tokens' positions [B, T], or None for 0..T-1 in every row.
+      segment_ids_BT: the tokens' segment ids [B, T], id 0 marking padding, or None for one sequence per row.
+
+    Returns:
+      A tuple: the residual stream [B, T, D], and the router sums [L_moe, ...] of `moe.router_sums`, one row per MoE
+        block, or an empty dict for a dense model.
+    """
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     # Zigzag context parallelism runs the blocks on the zigzag layout (context.py): the ids and positions go there
@@ -509,10 +547,29 @@ class Llama(nnx.Module):
     segment_ids_BT: Array | None = None,
     logits_at_B: Array | None = None,
   ) -> tuple[Array, KVCache]:
-    """(float32 logits [B, T, V], updated cache). The T tokens fill slots index..index+T-1 (padding, segment id 0,
-    is stored as empty) and attend to every earlier filled slot by position. Positions default to index..index+T-1.
-    With `logits_at_B`, logits [B, 1, V] of only that token of each row: a prefill needs the last prompt token's,
-    and the head over every prompt position was ~40% of a stories15M prefill (vocab 32000, dim 288)."""
+    """Runs T new tokens of each row against a KV cache: a prefill, or one step of decoding.
+
+    The T tokens fill slots index..index+T-1 of the cache and attend to every earlier filled slot by position;
+    padding, segment id 0, is stored as empty. The cache's layout must be the model's (`KVCache.empty`'s
+    `per_layer` for ``stacked_layers=False``).
+
+    Args:
+      tokens_BT: token ids [B, T].
+      positions_BT: the tokens' positions [B, T], or None for index..index+T-1.
+      cache: the cache to write the new keys and values into and attend over.
+      segment_ids_BT: the tokens' segment ids [B, T], id 0 marking padding, or None when there is none.
+      logits_at_B: [B] the index along T of the one token of each row whose logits are wanted, or None for every
+        token's. A prefill needs only the last prompt token's, and the head over every prompt position was a large
+        part of a stories15M prefill (BENCHMARKS.md).
+
+    Returns:
+      A tuple: float32 logits [B, T, V], or [B, 1, V] with `logits_at_B`, and the updated cache, its index moved on
+        by T.
+
+    Raises:
+      ValueError: the cache's layout is not the model's: a per-layer cache for the stacked model, or a stacked one
+        for ``stacked_layers=False``.
+    """
     if isinstance(cache.k, (tuple, list)) == self.stacked:
       raise ValueError(
         "a per-layer KV cache needs Llama(stacked_layers=False); the stacked model scans a stacked "
@@ -554,7 +611,16 @@ class Llama(nnx.Module):
     return self.logits(x_BTD), new_cache
 
   def embed_tokens(self, tokens_BT: Array) -> Array:
-    """Token ids [B, T] → the residual stream [B, T, D] in the compute dtype (an int8 table widened row by row)."""
+    """The embedding of token ids: the residual stream the first block reads, in the compute dtype.
+
+    An int8 table is widened only in the rows gathered, each by its own scale.
+
+    Args:
+      tokens_BT: token ids [B, T].
+
+    Returns:
+      The residual stream [B, T, D].
+    """
     dtype = jnp.dtype(self.cfg.dtype)
     x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
     if self.embed_scale is not None:
@@ -563,14 +629,27 @@ class Llama(nnx.Module):
     return sharding.constrain(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
 
   def head(self) -> tuple[Array, Array | None]:
-    """The LM head's weight [D, V] (the embedding's transpose when tied) and its int8 scale [V] (None unless int8)."""
+    """The LM head's weight and its int8 scale.
+
+    Returns:
+      A tuple: the weight [D, V], the embedding's transpose when the head is tied, and its int8 scale [V], or None
+        unless the model is int8.
+    """
     if self.lm_head is None:
       return self.embed[...].T, _value(self.embed_scale)
     return self.lm_head[...], _value(self.lm_head_scale)
 
   def logits(self, x_BTD: Array, head: tuple[Array, Array | None] | None = None) -> Array:
-    """The residual stream after the last block → float32 logits [B, T, V] (final norm, then the LM head: `head()`
-    unless given, as the chunked loss gives it gathered once for all its chunks)."""
+    """Float32 logits from the residual stream after the last block: the final norm, then the LM head.
+
+    Args:
+      x_BTD: the residual stream [B, T, D], as `hidden` returns it.
+      head: the head's weight and scale as `head` returns them, or None to read them here. The chunked loss gives
+        them, gathered once for all its chunks.
+
+    Returns:
+      Float32 logits [B, T, V].
+    """
     x_BTD = x_BTD if self.final_norm is None else self.final_norm(x_BTD)
     head_DV, head_scale_V = self.head() if head is None else head
     logits_BTV = project(x_BTD, head_DV, head_scale_V, preferred_element_type=jnp.float32)  # BTD,DV->BTV

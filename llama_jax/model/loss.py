@@ -25,8 +25,21 @@ MAX_LOG_PERPLEXITY = 50.0
 
 
 def token_losses(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross-entropy [B, T] (float32) and the per-token weights (loss mask; 1 where absent): see
-  `losses_and_router`."""
+  """Per-token cross-entropy of a batch and its per-token weights: the loss of pretraining, SFT and evaluation.
+
+  A batch's loss is sum(loss · weight) / sum(weight), so sums over several batches or micro-batches add. With the
+  model's `loss_chunk` the head and the cross-entropy run over a chunk of positions at a time: see
+  `losses_and_router`, which also returns a mixture of experts' balance terms.
+
+  Args:
+    params: the model's params, as ``nnx.merge`` takes them with `graphdef`.
+    graphdef: the model's graph definition.
+    batch: "inputs" and "targets" [B, T] token ids; optional "positions" and "segment_ids" [B, T] for the forward,
+      and "weights" [B, T], such as the SFT loss mask.
+
+  Returns:
+    A tuple: the cross-entropy [B, T] in float32, and the weights [B, T] in float32, 1 where the batch has none.
+  """
   losses_BT, weights_BT, _ = losses_and_router(params, graphdef, batch)
   return losses_BT, weights_BT
 
@@ -210,18 +223,30 @@ def _pair_logps(params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array]
 def dpo_losses(
   params: Any, graphdef: nnx.GraphDef, batch: dict[str, jax.Array], *, beta: float, reference_params: Any
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-  """(loss sum, pair count, metric sums) of the DPO loss over a batch of preference pairs.
+  """The DPO loss of a batch of preference pairs, summed, with the pair count and the metric sums.
 
-  Per pair: -log σ(β((π_w − π_l) − (ref_w − ref_l))), π = the policy's (`params`) summed log-prob of the response,
-  ref = the reference's (`reference_params`: the same graphdef, e.g. the frozen initial parameters, or with LoRA the
-  base with zeroed adapters), which gets no gradient. Sums, not means, so micro-batches add up; the caller divides by
-  the pair count. Padding pairs (no weighted token on either side, as eval_batches pads) count nothing.
+  Per pair: -log σ(β((π_w − π_l) − (ref_w − ref_l))), where π is the policy's summed log-prob of a response and ref
+  the reference's, which gets no gradient. Both sides of every pair run in one forward of the 2B rows. Sums, not
+  means, so micro-batches add up; the caller divides by the pair count. Padding pairs, with no weighted token on
+  either side as eval_batches pads them, count nothing.
 
   Metric sums: reward_chosen = β(π_w − ref_w), reward_rejected = β(π_l − ref_l), margin = their difference,
   reward_accuracy = 1 when reward_chosen > reward_rejected, 0 when below, and 0.5 for a tie. At step 0 the policy is
-  the reference, every reward is exactly 0 and every pair ties: the loss reads log 2 ≈ 0.693 and accuracy 0.5 (not
-  0, which would read as "always wrong"). Also chosen_logps / rejected_logps (π_w, π_l): a DPO run that lowers both
-  is a known failure mode that the margin alone hides.
+  the reference, every reward is exactly 0 and every pair ties: the loss reads log 2 ≈ 0.693 and accuracy 0.5, not
+  0, which would read as "always wrong". Also chosen_logps and rejected_logps, π_w and π_l: a DPO run that lowers
+  both is a known failure mode that the margin alone hides.
+
+  Args:
+    params: the policy's params, as ``nnx.merge`` takes them with `graphdef`.
+    graphdef: the model's graph definition, shared by the policy and the reference.
+    batch: chosen_inputs, chosen_targets, chosen_weights and the same three for rejected, each [B, T]; the weights
+      are 1 exactly on the response's tokens.
+    beta: β, how far the policy may move from the reference.
+    reference_params: the reference's params for the same graphdef, e.g. the frozen initial parameters, or with LoRA
+      the base with zeroed adapters.
+
+  Returns:
+    A tuple: the loss summed over the valid pairs, their count, and a dict of the metric sums over them.
   """
   chosen_B, rejected_B = _pair_logps(params, graphdef, batch)
   ref_chosen_B, ref_rejected_B = jax.lax.stop_gradient(

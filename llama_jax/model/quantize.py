@@ -89,14 +89,29 @@ def _quantize_leaf_into(contract_axes: tuple[int, ...], q_sharding: Any, scale_s
 def quantize_params(
   params: Mapping[str, Any], cfg: ModelConfig, shardings: Any = None, *, donate: bool = False
 ) -> tuple[ModelConfig, dict]:
-  """(cfg with quantize="int8", int8 params) from float pure-dict params of `cfg`, in either layout: stacked
-  (``layers`` leaves with a leading L axis) or unstacked (``layers`` {0: {...}, ...}, as ``layer_layout.unstack_layers``
-  gives). The result has the structure of ``nnx.to_pure_dict`` of ``Llama(int8 cfg)`` in the same layout.
+  """Weight-only int8 params of a float model, for decoding.
 
-  Leaf by leaf, each under jit: sharded arrays stay sharded (into `shardings`, a tree matching the output, when
-  given), and the peak is the float model plus one leaf's work. With `donate`, each float weight is deleted once its
-  int8 copy exists, so the peak stays near the float model's size. Leaves that stay float (norm scales) are passed
-  through as they are (placed into their `shardings` when given).
+  Each weight `INT8_CONTRACT_AXES` names becomes int8 with a float32 scale per output channel, ``<weight>_scale``;
+  the embedding is quantized per row. Either layout is taken: stacked, with `layers` leaves that have a leading L
+  axis, or unstacked, `layers` {0: {...}, ...} as ``layer_layout.unstack_layers`` gives. The result has the
+  structure of ``nnx.to_pure_dict`` of ``Llama(int8 cfg)`` in the same layout.
+
+  Leaf by leaf, each under jit: sharded arrays stay sharded, and the peak is the float model plus one leaf's work.
+  With `donate`, each float weight is deleted once its int8 copy exists, so the peak stays near the float model's
+  size. Leaves that stay float, the norm scales, are passed through as they are, or placed into their `shardings`.
+
+  Args:
+    params: float pure-dict params of `cfg`.
+    cfg: the float model's config.
+    shardings: a tree of shardings matching the output, each leaf and scale placed into its own, or None to keep
+      each array where the computation puts it.
+    donate: delete each float weight once its int8 copy exists.
+
+  Returns:
+    A tuple: `cfg` with quantize="int8", and the int8 params.
+
+  Raises:
+    QuantizeError: `cfg` is quantized already: quantize_params takes float params.
   """
   if cfg.quantize != "none":
     raise QuantizeError(f"params are already quantized (quantize={cfg.quantize!r}); quantize_params takes float ones")

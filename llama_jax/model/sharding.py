@@ -78,8 +78,26 @@ def resolve_mesh_shape(mesh: MeshConfig | Mapping[str, int], n_devices: int) -> 
 
 
 def make_mesh(mesh_cfg: MeshConfig | Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, expert, context, tensor) mesh over `devices` (default: all devices of all processes), axis types
-  Auto."""
+  """A (data, fsdp, expert, context, tensor) mesh over the devices, its axis types Auto.
+
+  Auto axes let the compiler propagate shardings from the parameters and constraints. On a TPU slice, a shape that
+  is no product of whole physical axes is laid out by splitting physical axes, with a warning. With `dcn_data` > 1,
+  only the data axis crosses the slices, TPU slices or processes where devices have none: fsdp and tensor stay
+  inside a slice.
+
+  Args:
+    mesh_cfg: a run config's mesh section or a plain mapping such as ``dict(fsdp=-1)``: each axis's size, one of
+      them -1 for the devices the others leave, axes missing from a mapping 1, and `dcn_data` the slices the data
+      axis spans.
+    devices: the devices to lay out, or None for all devices of all processes.
+
+  Returns:
+    The mesh, with the axes `MESH_AXES`.
+
+  Raises:
+    ShardingError: an unknown axis or a bad value, axis sizes that do not multiply to the devices (per slice), or a
+      `dcn_data` that does not divide the devices or differs from the slices they form.
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_cfg, len(devices))
   dcn = mesh_config(mesh_cfg).dcn_data
@@ -204,12 +222,25 @@ def abstract_model(model_cls, cfg, seed: int = 0):
 
 
 def abstract_params(model_cls, cfg, mesh: Mesh | None = None, rules: Rules = (), seed: int = 0):
-  """(graphdef, params as a plain nested dict of ShapeDtypeStructs), nothing allocated; under a mesh each carries its
-  NamedSharding from the logical axes (an axis the mesh does not divide is refused by parameter name), without one
-  none.
+  """The graphdef and the params' shapes, dtypes and shardings of a model, with nothing allocated.
 
   The one abstract-state builder: the trainer's state and shardings, checkpoint restore targets, evaluation and the
   memory planner all start from it, so they cannot disagree on a shape, a dtype or a sharding.
+
+  Args:
+    model_cls: the model class, built as ``model_cls(cfg, rngs=...)``, e.g. `Llama`.
+    cfg: the model's config.
+    mesh: the mesh to shard over, or None for no shardings.
+    rules: the logical axis rules, (logical name, mesh axes) pairs, that map each parameter's axes onto `mesh`.
+    seed: the seed of the model's ``nnx.Rngs``.
+
+  Returns:
+    A tuple: the graphdef, and the params as a plain nested dict of ShapeDtypeStructs, each with its NamedSharding
+      from its logical axes under a mesh, none without one.
+
+  Raises:
+    ShardingError: under a mesh, a logical axis with no rule, or a parameter axis the mesh does not divide, named
+      by parameter.
   """
   graphdef, abstract_state = abstract_model(model_cls, cfg, seed)
   shapes = nnx.to_pure_dict(abstract_state)
@@ -225,7 +256,25 @@ def shardings_of(abstract_tree: Any) -> Any:
 
 
 def init_model(model_cls, cfg, mesh: Mesh, rules: Rules, seed: int = 0):
-  """Builds the model with every parameter created directly in its shards."""
+  """Builds the model with every parameter created directly in its shards.
+
+  The model is initialised abstractly first, its shardings derived from the parameters' logical axes, and the real
+  initialisation runs under ``jax.jit(out_shardings=...)`` with the mesh and rules active: no parameter is ever
+  materialised unsharded.
+
+  Args:
+    model_cls: the model class, built as ``model_cls(cfg, rngs=...)``, e.g. `Llama`.
+    cfg: the model's config.
+    mesh: the mesh to shard over, e.g. from `make_mesh`.
+    rules: the logical axis rules, (logical name, mesh axes) pairs, that map each parameter's axes onto `mesh`.
+    seed: the seed of the model's ``nnx.Rngs``, which the parameters are drawn from.
+
+  Returns:
+    The model, its parameters sharded over `mesh`.
+
+  Raises:
+    ShardingError: a logical axis with no rule, or a parameter axis the mesh does not divide, named by parameter.
+  """
   graphdef, abstract_state = abstract_model(model_cls, cfg, seed)
   shardings = state_shardings(abstract_state, mesh, rules)
 

@@ -183,8 +183,27 @@ def create_app(
   loopback_only: bool = True,
   stream_buffer_tokens: int = STREAM_BUFFER_TOKENS,
 ):
-  """The FastAPI application (the engine must be started by the caller, or by ``python -m llama_jax.serve``).
-  `loopback_only`: the server is bound to a loopback address, so a Host naming anything else is refused."""
+  """The OpenAI-compatible FastAPI application over a continuous-batching engine.
+
+  Its routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET / (the chat page) and
+  GET /metrics. Every error is answered in OpenAI's shape, a bug included. Who may call is checked before any handler
+  runs (access.py), and every request, refusals included, is counted in the metrics. The engine must be started by
+  the caller, or by ``python -m llama_jax.serve``.
+
+  Args:
+    engine: the engine that runs the requests.
+    tokenizer: the model's tokenizer, for prompts, chat messages and the outputs.
+    model_name: the one model the server serves: what /v1/models lists and a request's "model" must name.
+    api_key: the key the /v1/ routes and /metrics require, or None for no key.
+    max_body_bytes: the largest request body, or 0 for `DEFAULT_MAX_BODY_MB` mebibytes.
+    allowed_origins: origins other than the server's own whose web pages may call it.
+    loopback_only: the server is bound to a loopback address, so a Host naming anything else is refused.
+    stream_buffer_tokens: the tokens of one streamed choice that may wait for a client that reads nothing before
+      its request is cancelled.
+
+  Returns:
+    The FastAPI application.
+  """
   app = FastAPI(title="llama_jax", docs_url=None, redoc_url=None, openapi_url=None)
   max_body_bytes = max_body_bytes or DEFAULT_MAX_BODY_MB * 2**20
   access = Access(api_key, tuple(allowed_origins), loopback_only, max_body_bytes)

@@ -118,8 +118,22 @@ class Session:
 
 
 class GoodputLedger:
-  """The workdir's sessions (goodput.json): read at the start (process 0), one new session appended, rewritten after
-  every logged window. `started` is the session's perf_counter() at train()'s start."""
+  """The workdir's record of its training sessions and their goodput, kept in ``goodput.json``.
+
+  Read at the start (process 0), one new session appended, rewritten after every logged window. A resume at step
+  `start_step` moves the device seconds of every earlier session's steps past it to that session's ``lost_s``, at
+  its mean step time: those steps are trained again, so they were not productive.
+
+  Args:
+    workdir: the run's directory; the ledger is its ``goodput.json``.
+    start_step: the step this session starts from, 0 or the checkpoint resumed from.
+    started: the session's ``time.perf_counter()`` at ``train()``'s start.
+    enabled: read and write ``goodput.json``; when False the sessions are kept in memory only, this one alone.
+
+  Attributes:
+    sessions: every session on the workdir, oldest first, this one last.
+    current: this session's `Session`, updated by `add`.
+  """
 
   def __init__(self, workdir: str, start_step: int, started: float, enabled: bool):
     self.enabled, self._file, self._started = enabled, paths.path(workdir, paths.GOODPUT_FILE), started
@@ -140,11 +154,25 @@ class GoodputLedger:
     self.sessions.append(self.current)
 
   def startup_done(self) -> None:
-    """The first step is about to run: what came before is this session's startup."""
+    """Mark the end of startup: the first step is about to run.
+
+    The seconds since `started` become this session's ``startup_s``.
+    """
     self.current.startup_s = time.perf_counter() - self._started
 
   def add(self, step: int, window: dict[str, float]) -> float:
-    """A logged window's phases, up to `step`; returns the run's goodput so far (and saves the ledger)."""
+    """Add a logged window's phases to this session and save the ledger.
+
+    The session's last step becomes `step` and its wall time the seconds since `started`; ``goodput.json`` is
+    rewritten atomically when the ledger is enabled.
+
+    Args:
+      step: the last step of the window.
+      window: seconds per phase, as ``StepClock.take_window`` returns them.
+
+    Returns:
+      The run's goodput so far, as `goodput` returns it.
+    """
     session = self.current
     session.step = step
     session.wall_s = time.perf_counter() - self._started
@@ -157,9 +185,19 @@ class GoodputLedger:
     return self.goodput()
 
   def totals(self) -> dict[str, float]:
+    """Seconds summed over every session on the workdir.
+
+    Returns:
+      ``wall_s``, ``startup_s``, ``lost_s`` and each phase's ``<phase>_s``, each the sum over the sessions.
+    """
     names = ("wall_s", "startup_s", "lost_s", *(f"{p}_s" for p in PHASES))
     return {name: sum(getattr(s, name) for s in self.sessions) for name in names}
 
   def goodput(self) -> float:
+    """The run's goodput: productive device seconds over wall seconds, over every session.
+
+    Returns:
+      ``(device_s - lost_s) / wall_s`` of the totals, or 0.0 before any wall time is recorded.
+    """
     totals = self.totals()
     return (totals["device_s"] - totals["lost_s"]) / totals["wall_s"] if totals["wall_s"] > 0 else 0.0

@@ -37,24 +37,49 @@ class StepInfo:
 
 
 class Hook:
-  """Something the loop calls: `begin` before the first step, `after_step` after each step that is a multiple of
-  `every` (and after the last one when `at_last`), `end` once after the last step (also after a stop), and `close`
-  always, even when a step raised."""
+  """Something the loop calls around its steps; subclass it and override the calls you need, each a no-op here.
+
+  The loop calls `begin` before the first step, `after_step` after each step that is a multiple of `every` (and
+  after the last one when `at_last`), `end` once after the last step (also after a stop), and `close` always, even
+  when a step raised. Hooks run in the order they were added, after the step is dispatched.
+
+  Attributes:
+    every: call `after_step` after each step that is a multiple of this; 0: never after a step.
+    at_last: also call `after_step` after the run's final step.
+    phase: the goodput phase its calls are timed as, e.g. ``checkpoint`` or ``eval``; None: part of the step's own
+      time.
+  """
 
   every: int = 1  # 0: never after a step
   at_last: bool = False
   phase: str | None = None  # the goodput phase its calls are timed as (None: part of the step's own time)
 
   def begin(self, loop: TrainLoop) -> None:
+    """Called once before the first step.
+
+    Args:
+      loop: the loop that runs the hook; a hook may keep it to call `TrainLoop.request_stop` later.
+    """
     pass
 
   def after_step(self, info: StepInfo) -> None:
+    """Called after a step is dispatched, when the step is a multiple of `every` or the last with `at_last`.
+
+    Args:
+      info: the step number, the state after it and its metrics, both still on the devices, and the host batch.
+    """
     pass
 
   def end(self, info: StepInfo) -> None:
+    """Called once after the last step, or after the step where a stop was requested; not when a step raised.
+
+    Args:
+      info: the loop's final step and state.
+    """
     pass
 
   def close(self) -> None:
+    """Called always at the end of `TrainLoop.run`, even when a step or a hook raised: release resources here."""
     pass
 
 
@@ -67,7 +92,24 @@ class FunctionHook(Hook):
 
 
 class TrainLoop:
-  """Runs `step_fn(state, batch) -> (state, metrics)` from step `start` to `steps` over `batches`, calling hooks."""
+  """Runs `step_fn(state, batch) -> (state, metrics)` from step `start` to `steps` over `batches`, calling hooks.
+
+  The wait for each batch is timed as the ``data`` phase of `clock`, and a hook's calls as its ``phase``, so each
+  logged window says where its time went.
+
+  Args:
+    step_fn: one train step, ``step_fn(state, batch) -> (state, metrics)``; it dispatches without waiting.
+    batches: the host batches, one taken per step.
+    state: the train state to start from.
+    start: the step `state` is at, 0 or the step resumed from.
+    steps: the step to stop at, ``train.steps``.
+    clock: the phase clock shared with the metrics writer; None makes a new `StepClock`.
+
+  Attributes:
+    step: steps done so far.
+    state: the train state after `step`.
+    failed: a step or a hook raised; set before the hooks' `close` calls run.
+  """
 
   def __init__(
     self,
@@ -86,6 +128,13 @@ class TrainLoop:
     self.failed = False  # a step or a hook raised: the close calls run as the error propagates
 
   def add_hook(self, hook: Hook | Callable[[StepInfo], None], every: int = 1, at_last: bool = False) -> None:
+    """Add a hook, run after the hooks added before it.
+
+    Args:
+      hook: a `Hook`, or a function of a `StepInfo` that becomes a hook's `after_step`.
+      every: for a function, call it after each step that is a multiple of this; a `Hook` keeps its own.
+      at_last: for a function, also call it after the run's final step.
+    """
     self.hooks.append(hook if isinstance(hook, Hook) else FunctionHook(hook, every, at_last))
 
   def request_stop(self) -> None:
@@ -93,6 +142,15 @@ class TrainLoop:
     self.stop_requested = True
 
   def run(self) -> Any:
+    """Run the steps from `step` to `steps`, or until a stop is requested, calling the hooks.
+
+    Returns:
+      The train state after the last step run.
+
+    Raises:
+      Exception: whatever a step or a hook raises, e.g. ``NonFiniteError`` from `NonFiniteHook`, after every
+        hook's `close` has run.
+    """
     info = StepInfo(self.step, self.state, {}, None, self.step >= self.steps)
     try:
       for hook in self.hooks:

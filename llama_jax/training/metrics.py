@@ -57,8 +57,30 @@ def _flat_means(name: str, fetched: list[dict[str, Any]]) -> dict[str, float]:
 
 
 class MetricsWriter:
-  """Writes metrics of a step (`write`), and buffers each train step's device metrics to write them a step late
-  (`add_step`, `flush`). Disabled (everything a no-op) on processes other than 0."""
+  """Writes a run's metrics to stdout, ``metrics.jsonl`` and its trackers without stalling the loop.
+
+  Writes the metrics of a step (`write`), and buffers each train step's device metrics to write them a step late
+  (`add_step`, `flush`): a window of `log_every` steps is fetched and written once the step after it is dispatched,
+  with the loss averaged over the window's finite steps, throughput and MFU over its training time, its wall time
+  split into phases and, with a ledger, the run's goodput. Disabled on processes other than 0: nothing is written,
+  logged or tracked there.
+
+  Args:
+    workdir: the run's directory; metrics are appended to its ``metrics.jsonl``.
+    enabled: whether this process writes, True on process 0 only.
+    log_every: the steps in a logged window.
+    tokens_per_step: tokens in one global batch, for ``tokens_per_s``.
+    flops_per_step: model FLOPs of one step, for ``mfu``.
+    peak_flops: the peak FLOPs per second of all the run's devices together, for ``mfu``.
+    start_step: the step the run starts or resumes from, where the first window's throughput starts.
+    clock: the phase clock of the windows; None makes a new `StepClock`.
+    ledger: the goodput ledger each window is added to; None: no goodput.
+    trackers: the run's trackers: TensorBoard, W&B, MLflow; dropped when not `enabled`.
+    echo: where each line goes; None prints it to stdout.
+
+  Attributes:
+    last_train: the metrics of the last train window written.
+  """
 
   def __init__(
     self,
@@ -87,6 +109,13 @@ class MetricsWriter:
     self.restart_clock(start_step)
 
   def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
+    """Write one step's metrics: a ``metrics.jsonl`` line, the trackers, and a line through `echo`.
+
+    Args:
+      step: the step the metrics belong to.
+      metrics: host values by name.
+      prefix: put before each name, e.g. ``val_`` for validation metrics.
+    """
     if not self.enabled:
       return
     named = {f"{prefix}{k}": v for k, v in metrics.items()}
@@ -95,7 +124,12 @@ class MetricsWriter:
     self.echo(f"step {step:>6d} | " + format_line(named))
 
   def add_step(self, step: int, device_metrics: dict[str, Any]) -> None:
-    """Step `step` has been dispatched: the window due at the step before is written now."""
+    """Record that step `step` has been dispatched: the window due at the step before is written now.
+
+    Args:
+      step: the step just dispatched; a window ends at each multiple of `log_every`.
+      device_metrics: the step's metrics, still on the device; they are fetched when their window is written.
+    """
     self._pending.append((step, device_metrics))
     if self._due is not None:
       self._write_window(self._due)
@@ -113,12 +147,22 @@ class MetricsWriter:
       self._write_window(self._pending[-1][0])
 
   def restart_clock(self, step: int) -> None:
-    """Throughput counts from here, step `step` (the run's start or resume)."""
+    """Start the next window's clock and throughput count here.
+
+    Args:
+      step: the step counted from: the run's start or resume.
+    """
     self.clock.restart()
     self._window_step = step
 
   def end_session(self, step: int) -> None:
-    """The run is over (its last save done): the time since the last line goes into goodput.json."""
+    """Close the session: the time since the last line goes into ``goodput.json``.
+
+    Called once the run is over and its last save is done.
+
+    Args:
+      step: the run's last step.
+    """
     if self.enabled and self.ledger is not None:
       self.ledger.add(step, self.clock.take_window())
 
@@ -156,7 +200,11 @@ class MetricsWriter:
     self._window_step = until
 
   def close(self, failed: bool = False) -> None:
-    """Ends the trackers' runs (`failed`: the run stopped on an error, which W&B and MLflow then show)."""
+    """End the trackers' runs; a tracker that fails to close is logged as a warning, not raised.
+
+    Args:
+      failed: the run stopped on an error, which W&B and MLflow then show.
+    """
     for tracker in self.trackers:
       try:
         tracker.close(failed)

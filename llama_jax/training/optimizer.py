@@ -27,6 +27,19 @@ def learning_rate_schedule(train_cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
+  """The optimizer of a run: AdamW on the learning rate schedule, after global-norm clipping when it is set.
+
+  AdamW uses the config's β1, β2, eps and weight decay, with the decay applied to matrices only (`decay_mask`). The
+  learning rate warms up linearly from 0 to ``lr`` over ``warmup_steps``, then follows a cosine decay to
+  ``lr * min_lr_ratio`` at ``steps`` (`learning_rate_schedule`).
+
+  Args:
+    train_cfg: the run config's train section: ``lr``, ``warmup_steps``, ``steps``, ``min_lr_ratio``, ``b1``, ``b2``,
+      ``eps``, ``weight_decay`` and ``clip_norm``, where 0 turns clipping off.
+
+  Returns:
+    The optax transformation: ``clip_by_global_norm(clip_norm)`` chained before AdamW, or AdamW alone.
+  """
   adamw = optax.adamw(
     learning_rate_schedule(train_cfg),
     b1=train_cfg.b1,

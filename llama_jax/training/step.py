@@ -33,10 +33,24 @@ def train_step(
 ) -> tuple[State, dict]:
   """One optimizer step on a global batch, split into `grad_accum` micro-batches scanned in order.
 
-  `objective(params, micro, frozen) -> (loss sum, (count, metric sums))` (see `make_objective`): gradients are of
-  the *summed* loss and divided by the total count (weighted tokens, or preference pairs) at the end, so
-  accumulation gives the gradient of the whole batch's mean loss, whatever the split. `frozen` holds what the step
-  reads but never trains or donates: a LoRA run's base model, a DPO run's reference.
+  Gradients are of the *summed* loss and divided by the total count, weighted tokens or preference pairs, at the
+  end, so accumulation gives the gradient of the whole batch's mean loss, whatever the split. A non-finite loss or
+  gradient norm never reaches the state: the step keeps the old parameters and optimizer moments, still counts the
+  step, and reports it in the ``nonfinite`` metric. Pure and not compiled: ``trainer.Trainer`` jits it for a mesh.
+
+  Args:
+    state: the train state: ``step``, ``params``, ``opt_state`` and ``rng``.
+    batch: the global batch, each array's leading axis divisible by `grad_accum`.
+    frozen: what the step reads but never trains or donates: a LoRA run's base model, a DPO run's reference.
+    objective: ``objective(params, micro, frozen) -> (loss sum, (count, metric sums))``, see `make_objective`.
+    count_name: the metric name of the count, e.g. ``tokens`` or ``pairs``.
+    tx: the optimizer, as `optimizer.make_optimizer` builds it.
+    schedule: the learning rate schedule, read at the state's step for the ``lr`` metric.
+    grad_accum: the number of micro-batches; 1 runs the whole batch at once, with no scan.
+
+  Returns:
+    The new state and the step's metrics: ``loss`` and each of the objective's metric sums as means over the count,
+    ``grad_norm``, ``lr``, the count under `count_name`, and ``nonfinite``, 1 when the update was dropped.
   """
   params = state["params"]
   grad_fn = jax.value_and_grad(lambda params, micro: objective(params, micro, frozen), has_aux=True)

@@ -61,8 +61,21 @@ from llama_jax.training.step import State, eval_step_with_frozen, make_objective
 class Trainer:
   """Everything compiled for one run: shardings of the state and batches, the jitted train and eval steps.
 
-  `run_config` may be a RunConfig or a ConfigDict (checked here); `model_cfg` is passed separately so a caller can
-  compile a variant of the run's model (the memory planner swaps accelerator-only attention kernels).
+  Builds the optimizer and schedule, the model's abstract parameters and their shardings on `mesh`, and the train
+  and eval steps of step.py jitted with those shardings, the train state donated. A LoRA run trains only the
+  adapters and keeps the base frozen; a full DPO run keeps its initial parameters as the frozen reference. The frozen
+  arrays are read by `load_frozen` before the first step. Nothing is allocated here.
+
+  Args:
+    model_cfg: the model to compile, passed separately so a caller can compile a variant of the run's model (the
+      memory planner swaps accelerator-only attention kernels).
+    run_config: a RunConfig or a ConfigDict, checked here.
+    mesh: the device mesh the state and batches are split over.
+
+  Raises:
+    ConfigError: `run_config` has an unknown key or a bad value.
+    ShardingError: a parameter axis or the micro-batch is not divisible by the mesh axes it is split over, or a
+      logical axis has no rule.
   """
 
   def __init__(self, model_cfg: ModelConfig, run_config: RunConfig | Any, mesh: jax.sharding.Mesh):
@@ -118,12 +131,21 @@ class Trainer:
     )
 
   def abstract_state(self) -> State:
+    """The train state of this run as shapes, each with its sharding; nothing is allocated.
+
+    Returns:
+      ``step``, ``params``, ``opt_state`` and ``rng`` as ShapeDtypeStructs.
+    """
     shapes = jax.eval_shape(self._init_state)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """A global batch of this run as shapes: inputs and targets, plus weights, segment ids and positions for chat;
-    chosen and rejected inputs, targets and weights for preference pairs."""
+    """A global batch of this run as shapes, each ``[batch_size, seq_len]`` with the batch sharding.
+
+    Returns:
+      Inputs and targets, plus weights, segment ids and positions for chat; chosen and rejected inputs, targets and
+      weights for preference pairs. Weights are float32, the rest int32.
+    """
     train_cfg, data_format = self.run_config.train, self.run_config.data.format
     keys = {"chat": SFT_KEYS, "preference": PREFERENCE_KEYS}.get(data_format, ("inputs", "targets"))
     return {
@@ -136,8 +158,17 @@ class Trainer:
     }
 
   def lower(self, state: State | None = None, batch: dict[str, Any] | None = None) -> jax.stages.Lowered:
-    """The train step lowered for this run (abstract state and batch unless given, so nothing is allocated);
-    ``.compile()`` gives the executable, its memory analysis and cost (plan.py, bench/train.py)."""
+    """The train step lowered for this run, for ahead-of-time plans.
+
+    ``.compile()`` on the result gives the executable, its memory analysis and cost (plan.py, bench/train.py).
+
+    Args:
+      state: the train state to lower for; None: `abstract_state`, so nothing is allocated.
+      batch: the global batch to lower for; None: `abstract_batch`.
+
+    Returns:
+      The lowered train step.
+    """
     state = self.abstract_state() if state is None else state
     batch = self.abstract_batch() if batch is None else batch
     with sharding.activate(self.mesh, self.rules):
@@ -155,18 +186,42 @@ class Trainer:
     )
 
   def init_state(self) -> State:
+    """A fresh train state from the run's seed, built in place on the mesh.
+
+    Returns:
+      Step 0, the initial parameters, only the adapters in a LoRA run, the optimizer's state and the RNG key.
+    """
     with sharding.activate(self.mesh, self.rules):
       return jax.jit(self._init_state, out_shardings=self.state_shardings)()
 
   def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """This process's rows → one global array per key, split over the mesh as the batch rules say."""
+    """One global array per key from this process's rows, split over the mesh as the batch rules say.
+
+    Args:
+      local_batch: this process's rows of the batch, by key.
+
+    Returns:
+      The global batch, by key.
+    """
     return {
       k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v)) for k, v in local_batch.items()
     }
 
   def load_frozen(self, init_from: str, step: int | None = None) -> int | None:
-    """Reads what the step keeps frozen from `init_from` (its latest step unless `step`), into its shards and
-    storage dtype: a LoRA run's base, a full DPO run's reference. Returns the step read (None: nothing to read)."""
+    """Read what the step keeps frozen: a LoRA run's base, a full DPO run's reference.
+
+    The arrays are read into their shards and the model's storage dtype, and kept in `frozen`.
+
+    Args:
+      init_from: the checkpoint directory to read.
+      step: the step to read; None: its latest complete step.
+
+    Returns:
+      The step read, or None when the run keeps nothing frozen.
+
+    Raises:
+      CheckpointError: `init_from` has no complete step, not `step`, or a step whose digests do not match.
+    """
     if not self.abstract_frozen:
       self.frozen = {}
       return None
@@ -186,10 +241,33 @@ class Trainer:
     return self.frozen
 
   def train_step(self, state: State, batch: dict[str, jax.Array]) -> tuple[State, dict]:
+    """Run one compiled train step; it returns without waiting for the devices.
+
+    Args:
+      state: the train state, donated: its arrays cannot be used after the call.
+      batch: a global batch, as `global_batch` makes it.
+
+    Returns:
+      The new state and the step's metrics, still on the devices, as ``step.train_step`` returns them.
+
+    Raises:
+      RuntimeError: the run keeps a base or a reference frozen and `load_frozen` has not been called.
+    """
     with sharding.activate(self.mesh, self.rules):
       return self._train_step(state, batch, self._frozen())
 
   def evaluate(self, params: Any, batches, token_bytes: jax.Array) -> dict[str, float]:
+    """Evaluate `params` on `batches`, summing each batch's metrics before summarizing them.
+
+    Args:
+      params: the trained parameters: all of them, or a LoRA run's adapters.
+      batches: this process's rows of each evaluation batch.
+      token_bytes: each token's length in bytes, for bits per byte.
+
+    Returns:
+      The token-loss metrics of ``summarize_eval``, or with DPO the pair metrics of ``summarize_dpo``; empty when
+      there are no batches.
+    """
     totals = None
     with sharding.activate(self.mesh, self.rules):
       for batch in batches:
@@ -281,9 +359,30 @@ def _load_frozen(
 
 
 def train(run_config: RunConfig | Any, workdir: str, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
-  """Trains (or resumes) a run in `workdir`; returns the last train and validation metrics. `hooks` run after the
-  run's own, after every step (tests inject faults this way). The workdir is locked for the run (workdir_lock.py): a
-  second run on it stops with one line naming this one."""
+  """Trains, or resumes, a run in `workdir`.
+
+  Calling it again with the same workdir resumes from the latest complete checkpoint, with the same data order. The
+  workdir is locked for the run (workdir_lock.py): a second run on it stops with one line naming this one. Every
+  config value is checked before anything is written.
+
+  Args:
+    run_config: a RunConfig or a ConfigDict.
+    workdir: the run's directory, local or ``gs://``: checkpoints, metrics, metadata and the prepared data.
+    hooks: run after the run's own, after every step (tests inject faults this way).
+
+  Returns:
+    The last train and validation metrics: ``step``, ``train`` and ``val``.
+
+  Raises:
+    ConfigError: a bad run config.
+    TrackerError: a tracker the run asks for is not installed.
+    ShardingError: the mesh does not fit the devices, the model or the batch.
+    WorkdirError: the workdir cannot be written; WorkdirLockedError, a subclass, when another run holds it.
+    CheckpointError: the workdir holds checkpoints of another model, or damaged ones only.
+    LoraError: a resumed LoRA or DPO run asks for other adapters or another base than the workdir holds.
+    DataError: the data cannot be prepared, or the tokenizer has more tokens than ``model.vocab_size``.
+    NonFiniteError: non-finite losses or gradients that ``train.on_nonfinite`` may not skip.
+  """
   started = time.perf_counter()  # the session's start, for goodput.json
   lock = workdir_lock.WorkdirLock(workdir)
   try:

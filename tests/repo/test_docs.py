@@ -2,6 +2,7 @@
 reference pages (docs/hooks.py, run by mkdocs at build time) cover every run-config field and every command.
 `mkdocs build --strict` itself runs in CI (.ci/run) before the tests."""
 
+import ast
 import dataclasses
 import importlib.util
 import pathlib
@@ -89,3 +90,34 @@ def test_every_page_in_the_site_s_navigation_is_written_or_generated(hooks):
     assert (DOCS / page).exists() or page in generated, f"mkdocs.yml names {page}, which nothing writes"
   written = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
   assert written <= set(nav), f"pages outside the navigation: {sorted(written - set(nav))}"
+
+
+def public_definitions():
+  """(qualified name, ast node) of every function and class a layer's ``__init__`` exports."""
+  hooks_module = importlib.util.module_from_spec(
+    importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+  )
+  hooks_module.__spec__.loader.exec_module(hooks_module)
+  for layer in hooks_module.LAYERS:
+    for name, module in hooks_module._public_names(f"llama_jax.{layer}")[1].items():
+      tree = ast.parse((pathlib.Path(ROOT) / (module.replace(".", "/") + ".py")).read_text())
+      node = next((n for n in tree.body if getattr(n, "name", None) == name), None)
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        yield f"{module}.{name}", node
+
+
+def test_public_functions_and_classes_have_google_style_docstrings():
+  """What the API reference renders: a function taking arguments documents them under Args: (and what it returns
+  under Returns:); a class its constructor's arguments (Args:) or fields (Attributes:), a config section by pointing
+  to the run-config reference that lists its fields, an error type by its docstring alone."""
+  lacking = []
+  for name, node in public_definitions():
+    doc = ast.get_docstring(node) or ""
+    if isinstance(node, ast.FunctionDef):
+      params = [a.arg for a in node.args.args + node.args.kwonlyargs]
+      returns = not (isinstance(node.returns, ast.Constant) and node.returns.value is None)
+      if not doc or (params and "Args:" not in doc) or (returns and "Returns:" not in doc):
+        lacking.append(name)
+    elif not doc or not any(s in doc for s in ("Args:", "Attributes:", "run-config reference")) and "Error" not in name:
+      lacking.append(name)
+  assert not lacking, f"public names without Google-style docstrings: {lacking}"

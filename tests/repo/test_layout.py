@@ -31,7 +31,7 @@ COMMANDS = (
   "config",
   "preference_data",
 )
-MAX_FILE_LINES = 600  # a file past this usually holds two concerns (STYLE.md)
+MAX_FILE_LINES = 520  # STYLE.md: past ~600 lines a file usually holds two concerns; this counts code without docstrings
 
 
 def modules():
@@ -93,10 +93,24 @@ def test_no_llama_jax_import_hides_inside_a_function():
         assert not any(m.startswith("llama_jax") for m in imported), f"{name}.{function.name} imports {imported}"
 
 
+def lines_without_docstrings(path: pathlib.Path, tree: ast.Module) -> int:
+  """A module's lines less its docstrings': the API documentation mkdocstrings renders adds no concern."""
+  documented = [
+    tree,
+    *(n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))),
+  ]
+  docstrings = set()
+  for node in documented:
+    first = node.body[0] if node.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+      docstrings.update(range(first.lineno, first.end_lineno + 1))
+  return len(path.read_text().splitlines()) - len(docstrings)
+
+
 def test_files_hold_one_concern():
-  too_long = {name: len(path.read_text().splitlines()) for name, path, _ in modules()}
+  too_long = {name: lines_without_docstrings(path, tree) for name, path, tree in modules()}
   too_long = {name: n for name, n in too_long.items() if n > MAX_FILE_LINES}
-  assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
+  assert not too_long, f"files over {MAX_FILE_LINES} lines besides their docstrings: {too_long}"
 
 
 @pytest.mark.parametrize("package", ["llama_jax", *(f"llama_jax.{layer}" for layer in LAYERS)])
