@@ -17,6 +17,8 @@ from tests.analysis.tpu_compile_cases import (
   CASES,
   CONTEXT_MODEL,
   CONTEXT_TRAIN,
+  LOSS_CHUNK,
+  LOSS_HEAD_TRAIN,
   MODEL,
   MOE_CASES,
   SCALE_TOKENS,
@@ -262,16 +264,17 @@ def test_splash_runs_on_every_block_of_the_ring_and_zigzag_with_its_own_backward
 
 
 def test_the_loss_head_once_gathers_it_once_and_with_its_gradient_reduces_it_once(plans):
-  """model.loss_head_once on fsdp 2 × context 2, the loss in 4 chunks of each chip's 4,096-token slice. "weights":
+  """model.loss_head_once on fsdp 2 × context 2, the loss in 4 chunks of each chip's 2,048-token slice. "weights":
   the head is gathered once per step instead of in each chunk's forward and rematerialised forward (8 gathers of its
   bfloat16 copy), reductions and memory unchanged; "weights_and_gradient": its gradient is also reduced once instead
   of per chunk, for a whole float32 gradient held over the loss. Measured (libtpu 0.0.42.1), none / weights /
-  weights_and_gradient: all-gathers 45 / 38 / 38 (43.5 / 29.5 / 29.5 MiB), reduce-scatters 18 / 18 / 14 (27.3 / 27.3
-  / 11.3 MiB), all-reduces 11.6 / 11.6 / 13.6 MiB, temporaries 198.25 / 198.19 / 204.60 MiB."""
+  weights_and_gradient: all-gathers 45 / 38 / 38 (43.5 / 29.5 / 29.5 MiB), reduce-scatters 18 / 18 / 14 (27.2 / 27.2
+  / 11.2 MiB), all-reduces 11.6 / 11.6 / 13.6 MiB, temporaries 113.84 / 113.78 / 119.72 MiB; the collectives are
+  those of 8,192-token sequences in 4 chunks of 1,024 tokens, which compile twice as long."""
   none, weights, both = (
-    plans[f"v5p-8/fsdp2_context2_loss_head_once_{once}_8k"] for once in ("none", "weights", "weights_and_gradient")
+    plans[f"v5p-8/fsdp2_context2_loss_head_once_{once}_4k"] for once in ("none", "weights", "weights_and_gradient")
   )
-  chunks = CONTEXT_TRAIN["seq_len"] // 2 // 1024
+  chunks = LOSS_HEAD_TRAIN["seq_len"] // 2 // LOSS_CHUNK
   head_bf16 = CONTEXT_MODEL["vocab_size"] * CONTEXT_MODEL["dim"] * 2
 
   def collective(plan, kind, what="bytes"):
