@@ -331,11 +331,7 @@ def plan(
     memory["prefill_more_rows"] = more and _memory(more, more_rows, platform)
   compile_seconds = time.perf_counter() - compile_start
   return DecodePlan(
-    mesh=dict(mesh.shape),
-    devices=len(devices),
-    device_kind=devices[0].device_kind,
-    compiler="TPU compiler" if platform == "tpu" else f"XLA:{platform.upper()} estimate",
-    n_params=cfg.num_params(),
+    **PlanHeader.fields(mesh, devices, cfg.num_params(), program, compile_seconds, seconds=time.perf_counter() - start),
     param_dtype=cfg.param_dtype,
     dtype=cfg.dtype,
     quantize=cfg.quantize,
@@ -351,10 +347,6 @@ def plan(
     cache_bytes=device_bytes(state.cache),
     state_bytes=device_bytes(state),
     **memory,
-    collectives=program.to_dict()["collectives"],
-    kernels=program.kernels,
-    compile_seconds=compile_seconds,
-    seconds=time.perf_counter() - start,
   )
 
 

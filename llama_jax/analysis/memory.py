@@ -35,6 +35,34 @@ class PlanHeader:
   compile_seconds: float
   seconds: float
 
+  @staticmethod
+  def fields(mesh, devices, n_params: int, program, compile_seconds: float, seconds: float) -> dict[str, Any]:
+    """The header's fields of a plan whose programs compiled for `devices` on `mesh`.
+
+    Args:
+      mesh: the `jax.sharding.Mesh` the programs were compiled for.
+      devices: its devices; the first one's platform names the compiler.
+      n_params: the model's parameter count.
+      program: the compiled program's `hlo.summarize` result (its collectives and kernels).
+      compile_seconds: the time the compiles took.
+      seconds: the time the whole plan took.
+
+    Returns:
+      The keyword arguments of `PlanHeader` (and so of the plans extending it).
+    """
+    platform = devices[0].platform
+    return dict(
+      mesh=dict(mesh.shape),
+      devices=len(devices),
+      device_kind=devices[0].device_kind,
+      compiler="TPU compiler" if platform == "tpu" else f"XLA:{platform.upper()} estimate",
+      n_params=n_params,
+      collectives=program.to_dict()["collectives"],
+      kernels=program.kernels,
+      compile_seconds=compile_seconds,
+      seconds=seconds,
+    )
+
   def mesh_line(self) -> str:
     """The report's line naming the mesh, the devices and the compiler whose figures follow."""
     mesh = " × ".join(f"{axis} {size}" for axis, size in self.mesh.items())

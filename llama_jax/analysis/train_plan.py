@@ -116,11 +116,9 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
     )
     attention = f"context {model_cfg.context_strategy} ({'splash' if kernel == 'splash' else 'xla blocks'})"
   return Plan(
-    mesh=dict(mesh.shape),
-    devices=len(devices),
-    device_kind=devices[0].device_kind,
-    compiler="TPU compiler" if platform == "tpu" else f"XLA:{platform.upper()} estimate",
-    n_params=model_cfg.num_params(),
+    **PlanHeader.fields(
+      mesh, devices, model_cfg.num_params(), program, compile_seconds, seconds=time.perf_counter() - start
+    ),
     attention=attention,
     params_bytes=device_bytes(state["params"]),
     frozen_bytes=device_bytes(trainer.abstract_frozen) if trainer.abstract_frozen is not None else 0,
@@ -132,10 +130,6 @@ def plan(run_config: RunConfig, devices=None, hlo_path: str | None = None) -> Pl
     alias_bytes=memory.alias_size_in_bytes,
     temp_bytes=memory.temp_size_in_bytes,
     model_flops=flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.batch_size * train_cfg.seq_len,
-    collectives=program.to_dict()["collectives"],
-    kernels=program.kernels,
-    compile_seconds=compile_seconds,
-    seconds=time.perf_counter() - start,
   )
 
 
