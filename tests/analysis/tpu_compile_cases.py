@@ -1,8 +1,9 @@
 """``python -m tests.analysis.tpu_compile_cases OUT.json``: the train step of a small GQA model compiled by the real TPU
 compiler for v4-8 and v5e-8 slices (abstract devices: no TPU needed) under fsdp, tensor and data × fsdp meshes, with
 splash attention, and of its mixture-of-experts variant on v5p-8 with experts over an expert axis; each case's plan
-(memory, collectives, kernels) goes to OUT.json. One process for every case, so
-libtpu starts once (tests/analysis/test_tpu_compile.py asserts on the file)."""
+(memory, collectives, kernels) goes to OUT.json. One process for every case, so libtpu starts once
+(tests/analysis/test_tpu_compile.py asserts on the file). ``--xla-blocks OUT.json`` and ``--scale OUT.json``: the
+stress tier's context cases (XLA_BLOCK_CASES; the 8B preset at 32,768 tokens)."""
 
 import json
 import math
@@ -55,17 +56,16 @@ MOE_CASES = {
 }
 
 # Context parallelism on v5p-8 (4 chips): one 8,192-token sequence per step, split over context=4 by each strategy,
-# against the same step on one chip with the same kernel (XLA, by query chunks), the baseline of per-chip activations.
+# against the same step on one chip with the same kernel, the baseline of per-chip activations: splash here (TPU's
+# kernel), the XLA blocks in XLA_BLOCK_CASES below.
 CONTEXT_MODEL = dict(MODEL, max_seq_len=8192, attention="chunked")
 CONTEXT_TRAIN = dict(batch_size=1, seq_len=8192)
 LOSS_HEAD_TRAIN = dict(CONTEXT_TRAIN, seq_len=4096)
 LOSS_CHUNK = 512
 CONTEXT_CASES = {
-  "v5p-8/one_chip_8k": ("v5p-8", dict(data=1, fsdp=1, context=1, tensor=1), CONTEXT_MODEL),
   # The same step at 128 tokens: its temporaries are the ones that do not grow with the sequence (the gradients and
   # the optimizer update of the parameters, which every context shard holds whole); the rest are the activations.
   "v5p-8/one_chip_128": ("v5p-8", dict(data=1, fsdp=1, context=1, tensor=1), CONTEXT_MODEL),
-  "v5p-8/context4_all_gather_8k": ("v5p-8", dict(data=1, fsdp=1, context=4, tensor=1), CONTEXT_MODEL),
   # Splash inside each chip's slice (the all-gather strategy, attention "auto" on TPU) against splash on one chip.
   "v5p-8/one_chip_splash_8k": (
     "v5p-8",
@@ -76,16 +76,6 @@ CONTEXT_CASES = {
     "v5p-8",
     dict(data=1, fsdp=1, context=4, tensor=1),
     dict(CONTEXT_MODEL, attention="auto"),
-  ),
-  "v5p-8/context4_ring_8k": (
-    "v5p-8",
-    dict(data=1, fsdp=1, context=4, tensor=1),
-    dict(CONTEXT_MODEL, context_strategy="ring"),
-  ),
-  "v5p-8/context4_zigzag_8k": (
-    "v5p-8",
-    dict(data=1, fsdp=1, context=4, tensor=1),
-    dict(CONTEXT_MODEL, context_strategy="zigzag"),
   ),
   # Splash on the ring's and zigzag's blocks (attention "auto" on TPU), with its own backward pass.
   "v5p-8/context4_ring_splash_8k": (
@@ -109,6 +99,21 @@ CONTEXT_CASES = {
       dict(CONTEXT_MODEL, context_strategy="ring", loss_chunk=LOSS_CHUNK, loss_head_once=once),
     )
     for once in ("none", "weights", "weights_and_gradient")
+  },
+}
+# The same strategies with the XLA blocks (chunked attention by query chunks: GPU's and CPU's kernel, and TPU's when
+# splash does not apply) against the same kernel on one chip, and the 128-token step again for their fixed part. The
+# stress tier's (`python -m tests.analysis.tpu_compile_cases --xla-blocks OUT`): four more compiles of 8,192 tokens.
+XLA_BLOCK_CASES = {
+  "v5p-8/one_chip_8k": ("v5p-8", dict(data=1, fsdp=1, context=1, tensor=1), CONTEXT_MODEL),
+  "v5p-8/one_chip_128": CONTEXT_CASES["v5p-8/one_chip_128"],
+  **{
+    f"v5p-8/context4_{strategy}_8k": (
+      "v5p-8",
+      dict(data=1, fsdp=1, context=4, tensor=1),
+      dict(CONTEXT_MODEL, context_strategy=strategy),
+    )
+    for strategy in ("all_gather", "ring", "zigzag")
   },
 }
 
@@ -158,16 +163,30 @@ def main(out: str) -> None:
     devices.setdefault(topology, tpu.tpu_devices(topology))
     plan = plan_lib.plan(run_config(mesh, model), devices[topology])
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
-  for case, (topology, mesh, model) in CONTEXT_CASES.items():
+  results.update(context_plans(CONTEXT_CASES, devices))
+  results[SPLASH_GATHER_8B] = splash_gather_at_8b_shapes()
+  with open(out, "w") as f:
+    json.dump(results, f, indent=2)
+
+
+def context_plans(cases: dict, devices: dict) -> dict:
+  """{case: plan as a dict} of context `cases`, one sequence per batch shard."""
+  results = {}
+  for case, (topology, mesh, model) in cases.items():
+    devices.setdefault(topology, tpu.tpu_devices(topology))
     chips = devices[topology][: math.prod(mesh.values())]
-    train = dict(CONTEXT_TRAIN, batch_size=mesh["data"] * mesh["fsdp"])  # one sequence per batch shard
+    train = dict(CONTEXT_TRAIN, batch_size=mesh["data"] * mesh["fsdp"])
     train = dict(train, seq_len=128) if case.endswith("_128") else train
     train = dict(train, seq_len=LOSS_HEAD_TRAIN["seq_len"]) if case.endswith("_4k") else train
     plan = plan_lib.plan(run_config(mesh, model, train), chips)
     results[case] = {**dataclasses.asdict(plan), "peak_bytes": plan.peak_bytes}
-  results[SPLASH_GATHER_8B] = splash_gather_at_8b_shapes()
+  return results
+
+
+def xla_blocks_main(out: str) -> None:
+  """XLA_BLOCK_CASES' plans to OUT.json (the stress tier's context tests read them)."""
   with open(out, "w") as f:
-    json.dump(results, f, indent=2)
+    json.dump(context_plans(XLA_BLOCK_CASES, {}), f, indent=2)
 
 
 SPLASH_GATHER_8B = "v5p-128/8b_2_layers_context4_all_gather_splash_32k"
@@ -187,4 +206,4 @@ def splash_gather_at_8b_shapes() -> dict:
 
 
 if __name__ == "__main__":
-  scale_main(sys.argv[2]) if sys.argv[1] == "--scale" else main(sys.argv[1])
+  {"--scale": scale_main, "--xla-blocks": xla_blocks_main}.get(sys.argv[1], lambda _: main(sys.argv[1]))(sys.argv[-1])
