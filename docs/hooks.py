@@ -163,7 +163,7 @@ def commands_reference() -> str:
 LAYERS = ("core", "model", "data", "checkpoint", "training", "inference", "serving", "interop", "analysis")
 
 
-def _public_names(package: str) -> tuple[str, dict[str, str]]:
+def public_names(package: str) -> tuple[str, dict[str, str]]:
   """A package's docstring and its ``_PUBLIC`` map (name → defining module), read from this checkout's source."""
   tree = ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text())
   public = next(
@@ -182,11 +182,11 @@ def api_reference() -> str:
   ]
   for layer in ("", *LAYERS):
     package = f"llama_jax.{layer}" if layer else "llama_jax"
-    doc, public = _public_names(package)
+    doc, public = public_names(package)
     lines += ["", f"## `{package}`", "", doc.split("\n\n")[0].replace("\n", " "), ""]
     for name, module in sorted(public.items()):
       if not layer:  # the top level re-exports layers' names: a link to where its layer renders each
-        rendered = _public_names(f"llama_jax.{module.split('.')[1]}")[1][name]
+        rendered = public_names(f"llama_jax.{module.split('.')[1]}")[1][name]
         lines.append(f"- [`llama_jax.{name}`](#{rendered}.{name})")
       elif module.split(".")[1] == layer:
         lines += ["", f"::: {module}.{name}", "    options:", "      heading_level: 3"]

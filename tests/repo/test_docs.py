@@ -19,12 +19,17 @@ from tests.conftest import ROOT
 DOCS = pathlib.Path(ROOT) / "docs"
 
 
-@pytest.fixture(scope="module")
-def hooks():
+def load_hooks():
+  """docs/hooks.py, the site's generator, as a module (it is not a package's)."""
   spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+@pytest.fixture(scope="module")
+def hooks():
+  return load_hooks()
 
 
 def all_fields() -> list[str]:
@@ -94,12 +99,9 @@ def test_every_page_in_the_site_s_navigation_is_written_or_generated(hooks):
 
 def public_definitions():
   """(qualified name, ast node) of every function and class a layer's ``__init__`` exports."""
-  hooks_module = importlib.util.module_from_spec(
-    importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
-  )
-  hooks_module.__spec__.loader.exec_module(hooks_module)
+  hooks_module = load_hooks()
   for layer in hooks_module.LAYERS:
-    for name, module in hooks_module._public_names(f"llama_jax.{layer}")[1].items():
+    for name, module in hooks_module.public_names(f"llama_jax.{layer}")[1].items():
       tree = ast.parse((pathlib.Path(ROOT) / (module.replace(".", "/") + ".py")).read_text())
       node = next((n for n in tree.body if getattr(n, "name", None) == name), None)
       if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
