@@ -53,7 +53,7 @@ class DecodeState:
 
 def prefill(
   params: Any,
-  prompts_BP: jax.Array,
+  prompts_BT: jax.Array,
   lengths_B: jax.Array,
   cache: KVCache,
   seed: jax.Array,
@@ -67,13 +67,13 @@ def prefill(
   """Runs the right-padded prompts through the model into the cache and samples each row's first new token. With
   `chunk` > 0, the prompts go in `chunk` tokens at a time (``prefill_chunks``)."""
   model = nnx.merge(graphdef, params)
-  batch, bucket = prompts_BP.shape
-  positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
-  segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
+  batch, bucket = prompts_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+  segment_ids_BT = (positions_BT < lengths_B[:, None]).astype(jnp.int32)
   if chunk and chunk < bucket:
-    last_B1V, cache = prefill_chunks(model, prompts_BP, positions_BP, segment_ids_BP, lengths_B, cache, chunk)
+    last_B1V, cache = prefill_chunks(model, prompts_BT, positions_BT, segment_ids_BT, lengths_B, cache, chunk)
   else:
-    last_B1V, cache = model.decode(prompts_BP, positions_BP, cache, segment_ids_BP, logits_at_B=lengths_B - 1)
+    last_B1V, cache = model.decode(prompts_BT, positions_BT, cache, segment_ids_BT, logits_at_B=lengths_B - 1)
   last_BV = last_B1V[:, 0]
   rng, step_rng = jax.random.split(jax.random.key(seed))
   token_B = next_token(last_BV, step_rng, sampling)
@@ -93,9 +93,9 @@ def prefill(
 
 def prefill_chunks(
   model: Llama,
-  prompts_BP: jax.Array,
-  positions_BP: jax.Array,
-  segment_ids_BP: jax.Array,
+  prompts_BT: jax.Array,
+  positions_BT: jax.Array,
+  segment_ids_BT: jax.Array,
   lengths_B: jax.Array,
   cache: KVCache,
   chunk: int,
@@ -104,11 +104,11 @@ def prefill_chunks(
   at a time, each chunk attending to the cache so far (the slots after it are still empty, hidden by position), so
   the attention scores of a call are [chunk × cache] instead of [prompt × cache]. The full chunks run in one scan
   (one compiled body); a shorter last chunk, when the bucket is not a multiple of `chunk`, runs after it."""
-  batch, bucket = prompts_BP.shape
+  batch, bucket = prompts_BT.shape
   run = functools.partial(prefill_chunk_step, model, last_row_B=lengths_B - 1)
 
-  def chunks(x_BP: jax.Array, n: int) -> jax.Array:  # [B, n·chunk] → [n, B, chunk]
-    return x_BP[:, : n * chunk].reshape(batch, n, chunk).swapaxes(0, 1)
+  def chunks(x_BT: jax.Array, n: int) -> jax.Array:  # [B, n·chunk] → [n, B, chunk]
+    return x_BT[:, : n * chunk].reshape(batch, n, chunk).swapaxes(0, 1)
 
   n_full = bucket // chunk
   carry = (jnp.zeros((batch, 1, model.cfg.vocab_size), jnp.float32), cache)
@@ -117,14 +117,14 @@ def prefill_chunks(
     carry,
     (
       jnp.arange(n_full, dtype=jnp.int32) * chunk,
-      chunks(prompts_BP, n_full),
-      chunks(positions_BP, n_full),
-      chunks(segment_ids_BP, n_full),
+      chunks(prompts_BT, n_full),
+      chunks(positions_BT, n_full),
+      chunks(segment_ids_BT, n_full),
     ),
   )
   if bucket % chunk:
     tail = slice(n_full * chunk, bucket)
-    carry = run(carry, n_full * chunk, prompts_BP[:, tail], positions_BP[:, tail], segment_ids_BP[:, tail])
+    carry = run(carry, n_full * chunk, prompts_BT[:, tail], positions_BT[:, tail], segment_ids_BT[:, tail])
   return carry
 
 
@@ -132,19 +132,19 @@ def prefill_chunk_step(
   model: Llama,
   carry: tuple[jax.Array, KVCache],
   start,
-  tokens_BC: jax.Array,
-  positions_BC: jax.Array,
-  segments_BC: jax.Array,
+  tokens_BT: jax.Array,
+  positions_BT: jax.Array,
+  segments_BT: jax.Array,
   *,
   last_row_B: jax.Array,
 ) -> tuple[jax.Array, KVCache]:
-  """One chunk of a chunked prefill: prompt columns start .. start + C written into the cache (attending to it), and
+  """One chunk of a chunked prefill: its T prompt columns from `start` written into the cache (attending to it), and
   the carried logits [B, 1, V] replaced in the rows whose last prompt token (`last_row_B`) lies in this chunk. The
   sampler's scan and the engine's interleaved prefill (one chunk per scheduler round) both run it."""
   last_B1V, cache = carry
-  width = tokens_BC.shape[1]
+  width = tokens_BT.shape[1]
   logits_B1V, cache = model.decode(
-    tokens_BC, positions_BC, cache, segments_BC, logits_at_B=jnp.clip(last_row_B - start, 0, width - 1)
+    tokens_BT, positions_BT, cache, segments_BT, logits_at_B=jnp.clip(last_row_B - start, 0, width - 1)
   )
   here_B = (last_row_B >= start) & (last_row_B < start + width)
   return jnp.where(here_B[:, None, None], logits_B1V, last_B1V), cache

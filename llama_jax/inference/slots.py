@@ -51,14 +51,14 @@ def token_logprobs(logits_BV, token_B):
   (temperature 1, no filter: what OpenAI's `logprobs` report)."""
   logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   chosen_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
-  top_values_BN, top_ids_BN = jax.lax.top_k(logprobs_BV, TOP_LOGPROBS)
-  return chosen_B, top_values_BN, top_ids_BN
+  top_values, top_ids = jax.lax.top_k(logprobs_BV, TOP_LOGPROBS)  # [B, TOP_LOGPROBS]
+  return chosen_B, top_values, top_ids
 
 
 def insert_prompts(
   params,
   state: SlotState,
-  prompts_BP,
+  prompts_BT,
   lengths_B,
   slots_B,
   settings,
@@ -74,20 +74,20 @@ def insert_prompts(
   = per-row (temperature, top_k, top_p, seed, max_tokens, logprobs). Returns the state and the first tokens'
   outputs (plus every prompt position's, when scoring). One compiled program: prefill, then `_start_slots`."""
   model = nnx.merge(graphdef, params)
-  batch, bucket = prompts_BP.shape
-  positions_BP = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
-  segment_ids_BP = (positions_BP < lengths_B[:, None]).astype(jnp.int32)
+  batch, bucket = prompts_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))
+  segment_ids_BT = (positions_BT < lengths_B[:, None]).astype(jnp.int32)
   prefill_cache = KVCache.empty(cfg, batch, bucket, per_layer=True)
   if not score_prompt:
-    last_B1V, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP, lengths_B - 1)
+    last_B1V, prefill_cache = model.decode(prompts_BT, positions_BT, prefill_cache, segment_ids_BT, lengths_B - 1)
     return _start_slots(state, prefill_cache, last_B1V[:, 0], lengths_B, slots_B, settings, stop_ids)
   # Every position's logits: position t scores prompt token t + 1.
-  logits_BPV, prefill_cache = model.decode(prompts_BP, positions_BP, prefill_cache, segment_ids_BP)
-  last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  logits_BTV, prefill_cache = model.decode(prompts_BT, positions_BT, prefill_cache, segment_ids_BT)
+  last_BV = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   state, outputs = _start_slots(state, prefill_cache, last_BV, lengths_B, slots_B, settings, stop_ids)
-  vocab = logits_BPV.shape[-1]
-  next_BP = jnp.roll(prompts_BP, -1, axis=1)
-  chosen, top_values, top_ids = token_logprobs(logits_BPV.reshape(batch * bucket, vocab), next_BP.reshape(-1))
+  vocab = logits_BTV.shape[-1]
+  next_BT = jnp.roll(prompts_BT, -1, axis=1)
+  chosen, top_values, top_ids = token_logprobs(logits_BTV.reshape(batch * bucket, vocab), next_BT.reshape(-1))
   outputs.update(
     prompt_logprob=chosen.reshape(batch, bucket),
     prompt_top_values=top_values.reshape(batch, bucket, TOP_LOGPROBS),
@@ -96,15 +96,15 @@ def insert_prompts(
   return state, outputs
 
 
-def prefill_chunk(params, cache: KVCache, last_B1V, tokens_BC, start, lengths_B, *, graphdef):
-  """One chunk of an interleaved prefill: C prompt tokens from column `start` into a staging cache of the prompt's
+def prefill_chunk(params, cache: KVCache, last_B1V, tokens_BT, start, lengths_B, *, graphdef):
+  """One chunk of an interleaved prefill: T prompt tokens from column `start` into a staging cache of the prompt's
   bucket (the engine runs decode steps for the running slots between chunks, so a long prompt does not stall them).
   Returns the cache and the carried logits of each row's last prompt token (set by the chunk that holds it)."""
   model = nnx.merge(graphdef, params)
-  positions_BC = start + jnp.broadcast_to(jnp.arange(tokens_BC.shape[1], dtype=jnp.int32), tokens_BC.shape)
-  segments_BC = (positions_BC < lengths_B[:, None]).astype(jnp.int32)
+  positions_BT = start + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+  segments_BT = (positions_BT < lengths_B[:, None]).astype(jnp.int32)
   last_B1V, cache = prefill_chunk_step(
-    model, (last_B1V, cache), start, tokens_BC, positions_BC, segments_BC, last_row_B=lengths_B - 1
+    model, (last_B1V, cache), start, tokens_BT, positions_BT, segments_BT, last_row_B=lengths_B - 1
   )
   return cache, last_B1V
 
@@ -128,11 +128,12 @@ def _start_slots(state: SlotState, prefill_cache: KVCache, last_BV, lengths_B, s
   start_B = (state.cache.index - lengths_B) % columns
   roll_rows = jax.vmap(lambda row, shift: jnp.roll(row, shift, axis=-2 if row.ndim > 1 else -1))
 
-  def into_rows(prefilled_BKPH, rows_SKCH):
-    n_kv_heads, head_dim = prefilled_BKPH.shape[1], prefilled_BKPH.shape[3]
-    padded = jnp.zeros((batch, n_kv_heads, columns - bucket, head_dim), rows_SKCH.dtype)
-    rolled = roll_rows(jnp.concatenate([prefilled_BKPH.astype(rows_SKCH.dtype), padded], axis=2), start_B)
-    return rows_SKCH.at[slots_B].set(rolled, mode="drop")
+  def into_rows(prefilled_BKTH, cache_BKSH):
+    # One layer: the prompts' keys or values [B, K, T, H] (T: their bucket) into the slots' cache [slots, K, S, H].
+    n_kv_heads, head_dim = prefilled_BKTH.shape[1], prefilled_BKTH.shape[3]
+    padded = jnp.zeros((batch, n_kv_heads, columns - bucket, head_dim), cache_BKSH.dtype)
+    rolled = roll_rows(jnp.concatenate([prefilled_BKTH.astype(cache_BKSH.dtype), padded], axis=2), start_B)
+    return cache_BKSH.at[slots_B].set(rolled, mode="drop")
 
   empty = jnp.full((batch, columns - bucket), EMPTY_POSITION, jnp.int32)
   row_positions = roll_rows(jnp.concatenate([prefill_cache.positions, empty], axis=1), start_B)
@@ -218,7 +219,7 @@ def generate_steps(params, state: SlotState, busy_B, *, graphdef, steps: int, st
     position_B = s.position + 1
     token_B = sample_rows(logits_BV, s.temperature, s.top_k, s.top_p, s.seed, position_B)
     # log_softmax and top-k over the vocabulary only when some running slot reports log-probabilities.
-    logprob_B, top_values_BN, top_ids_BN = jax.lax.cond(
+    logprob_B, top_values, top_ids = jax.lax.cond(
       jnp.any(s.logprobs & s.active),
       token_logprobs,
       lambda *_: (jnp.zeros((batch,)), jnp.zeros((batch, TOP_LOGPROBS)), jnp.zeros((batch, TOP_LOGPROBS), jnp.int32)),
@@ -240,7 +241,7 @@ def generate_steps(params, state: SlotState, busy_B, *, graphdef, steps: int, st
       seed=s.seed,
       logprobs=s.logprobs,
     )
-    new = dict(token=token_B, emitted=emitted_B, logprob=logprob_B, top_values=top_values_BN, top_ids=top_ids_BN)
+    new = dict(token=token_B, emitted=emitted_B, logprob=logprob_B, top_values=top_values, top_ids=top_ids)
     out = {name: out[name].at[i].set(new[name]) for name in out}
     return i + 1, s, out
 

@@ -37,7 +37,7 @@ ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetens
 
 
 def peft_tensors(adapters: Mapping, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """peft's ``adapter_model.safetensors`` tensors of stacked adapters: lora_A [R, in], lora_B [out, R] per layer
+  """peft's ``adapter_model.safetensors`` tensors of stacked adapters: lora_A [rank, in], lora_B [out, rank] per layer
   (torch Linear layout), named as peft saves them for LlamaForCausalLM."""
   out = {}
   for i, layer in enumerate(layer_params(adapters.get("layers", {})) if adapters.get("layers") else []):

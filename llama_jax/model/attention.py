@@ -4,7 +4,7 @@
 apply, so every configuration also runs on CPU through the XLA paths: "chunked" (causal attention by query chunks,
 each against only the keys up to its end, so the upper triangle of the scores is never computed; "auto" uses it
 whenever no accelerator kernel applies and the length splits into chunks) and "xla" (the whole [T, S] scores at
-once: short or ragged sequences, and decoding). Axis legend as in llama.py.
+once: short or ragged sequences, and decoding). Axis letters: llama.py's legend.
 """
 
 from __future__ import annotations
@@ -180,20 +180,19 @@ def cached_attention(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, *, q_positions
   in its stored layout, so nothing is transposed or copied per step."""
   batch, q_len, n_heads, head_dim = q_BTNH.shape
   n_kv_heads = k_BKSH.shape[1]
-  q_BKQH = (
+  q_rows = (
     q_BTNH.reshape(batch, q_len, n_kv_heads, -1, head_dim)
     .transpose(0, 2, 3, 1, 4)
     .reshape(batch, n_kv_heads, -1, head_dim)
-  )  # Q = G·T query rows per kv head, in (g, t) order
-  scores_BKQS = jax.lax.dot_general(
-    q_BKQH, k_BKSH, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32
-  ) * (1.0 / np.sqrt(head_dim))
+  )  # [B, K, G·T, H]: each kv head's G·T query rows, in (g, t) order
+  scores = jax.lax.dot_general(q_rows, k_BKSH, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+  scores = scores * (1.0 / np.sqrt(head_dim))  # [B, K, G·T, S]
   groups = n_heads // n_kv_heads
-  visible_BQS = jnp.tile(kv_positions[:, None, :] <= q_positions[:, :, None], (1, groups, 1))
-  scores_BKQS = jnp.where(visible_BQS[:, None], scores_BKQS, MASK_VALUE)
-  probs_BKQS = jax.nn.softmax(scores_BKQS, axis=-1).astype(v_BKSH.dtype)
-  out_BKQH = jax.lax.dot_general(probs_BKQS, v_BKSH, (((3,), (2,)), ((0, 1), (0, 1))))
-  return out_BKQH.reshape(batch, n_kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape)
+  visible = jnp.tile(kv_positions[:, None, :] <= q_positions[:, :, None], (1, groups, 1))  # [B, G·T, S]
+  scores = jnp.where(visible[:, None], scores, MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+  out_rows = jax.lax.dot_general(probs, v_BKSH, (((3,), (2,)), ((0, 1), (0, 1))))  # [B, K, G·T, H]
+  return out_rows.reshape(batch, n_kv_heads, groups, q_len, head_dim).transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape)
 
 
 def chunk_size(q_len: int) -> int | None:
@@ -226,21 +225,21 @@ def chunked_attention(
   chunk = chunk or chunk_size(q_len)
   remat = q_len >= LONG_SEQUENCE if remat is None else remat
 
-  def one_chunk(q_BCNH, k_BSKH, v_BSKH, q_segments_BC, kv_segments_BS, start):
-    q_positions = jnp.broadcast_to(start + jnp.arange(q_BCNH.shape[1], dtype=jnp.int32), q_BCNH.shape[:2])
+  def one_chunk(q_BTNH, k_BSKH, v_BSKH, q_segments_BT, kv_segments_BS, start):
+    q_positions = jnp.broadcast_to(start + jnp.arange(q_BTNH.shape[1], dtype=jnp.int32), q_BTNH.shape[:2])
     kv_positions = jnp.broadcast_to(jnp.arange(k_BSKH.shape[1], dtype=jnp.int32), k_BSKH.shape[:2])
     return xla_attention(
-      q_BCNH,
+      q_BTNH,
       k_BSKH,
       v_BSKH,
-      q_segment_ids=q_segments_BC,
+      q_segment_ids=q_segments_BT,
       kv_segment_ids=kv_segments_BS,
       q_positions=q_positions,
       kv_positions=kv_positions,
     )
 
   if remat:
-    attend = lambda q_BCNH, segments_BC, start: one_chunk(q_BCNH, k_BSKH, v_BSKH, segments_BC, segment_ids, start)  # noqa: E731
+    attend = lambda q_BTNH, segments_BT, start: one_chunk(q_BTNH, k_BSKH, v_BSKH, segments_BT, segment_ids, start)  # noqa: E731
     return map_query_chunks(attend, q_BTNH, segment_ids, chunk)
   outputs = []
   for start in range(0, q_len, chunk):
@@ -256,11 +255,11 @@ def map_query_chunks(attend, q_BTNH: Array, segments_BT: Array | None, chunk: in
   `first` is the index of q's first row in the whole sequence."""
   batch, q_len, n_heads, head_dim = q_BTNH.shape
   n_chunks = q_len // chunk
-  q_XBCNH = q_BTNH.reshape(batch, n_chunks, chunk, n_heads, head_dim).swapaxes(0, 1)
-  segments_XBC = None if segments_BT is None else segments_BT.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+  q_chunks = q_BTNH.reshape(batch, n_chunks, chunk, n_heads, head_dim).swapaxes(0, 1)  # [chunks, B, chunk, N, H]
+  segment_chunks = None if segments_BT is None else segments_BT.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
   step = jax.checkpoint(lambda xs: attend(xs[1], xs[2], first + xs[0] * chunk))
-  out_XBCNH = jax.lax.map(step, (jnp.arange(n_chunks, dtype=jnp.int32), q_XBCNH, segments_XBC))
-  return out_XBCNH.swapaxes(0, 1).reshape(q_BTNH.shape)
+  out_chunks = jax.lax.map(step, (jnp.arange(n_chunks, dtype=jnp.int32), q_chunks, segment_chunks))
+  return out_chunks.swapaxes(0, 1).reshape(q_BTNH.shape)
 
 
 def splash_attention(

@@ -1,16 +1,17 @@
 """Context parallelism: causal self-attention with every sequence split over the active mesh's context axes (the
 mesh axes the rules map "activation_length" to), each device holding one slice and running under ``shard_map``,
-batch and heads split as the activations' rules say. Axis legend as in llama.py; C is a device's slice of T.
+batch and heads split as the activations' rules say. Axis letters: llama.py's legend. T is the whole sequence in
+`context_attention` and a device's slice of it (T/n tokens of n devices) in the functions each device runs.
 
 Strategies (``model.context_strategy``):
 - "all_gather": each device gathers the whole sequence's keys, values and segment ids (one all-gather per layer,
-  reduce-scattered in the backward pass) and attends its C queries to them, masked by global index: [C, T] scores,
-  1/n of the unsplit [T, T], every device the same work.
-- "ring": each device keeps its C queries and passes its block of keys and values on to the next device
+  reduce-scattered in the backward pass) and attends its T/n queries to them, masked by global index: [T/n, T]
+  scores, 1/n of the unsplit [T, T], every device the same work.
+- "ring": each device keeps its T/n queries and passes its block of keys and values on to the next device
   (``ppermute``), one block per step for n steps, merging each block's softmax online (running max and sum, as flash
-  attention does); [C, C] scores per step and two blocks of keys alive, whatever n. Device i holds tokens
-  [i·C, (i+1)·C), so under the causal mask half of all blocks are invisible; every device still computes every block
-  (the mask applied, static shapes), or the devices holding late tokens would keep the others waiting.
+  attention does); [T/n, T/n] scores per step and two blocks of keys alive, whatever n. Device i holds tokens
+  [i·T/n, (i+1)·T/n), so under the causal mask half of all blocks are invisible; every device still computes every
+  block (the mask applied, static shapes), or the devices holding late tokens would keep the others waiting.
 - "zigzag": the ring on the zigzag layout, in which the sequence is cut into 2n chunks and device i holds chunks i
   and 2n-1-i (one early, one late). Every device then has the same visible work at every step, and only that is
   computed: after its own block, a device attends all its queries to the first half of a block from an earlier
@@ -62,7 +63,7 @@ def slice_kernel(requested: str, backend: str, *, strategy: str, seq_len: int, s
   return "splash" if splash else "xla"
 
 
-def splash_ring(q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array, *, zigzag: bool, interpret: bool):
+def splash_ring(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, segments_BT: Array, *, zigzag: bool, interpret: bool):
   """The ring (or zigzag) of one device under ``shard_map`` with splash on every block: the same blocks as the XLA
   ring computes (`context_attention`'s ring), each block's output and log-sum-exp from the kernel merged by their
   log-sum-exps. splash gives its log-sum-exp no gradient, so the backward pass is written here: the blocks go round
@@ -77,9 +78,9 @@ def splash_ring(q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array,
   slowest device anyway); zigzag attends its late chunk's queries to the early half of every block, and either its
   early queries to the early half (an earlier device) or its late queries to the late half (a later one)."""
   axes, shards = sharding.context_axes()
-  block = q_BCNH.shape[1]
+  block = q_BTNH.shape[1]
   half = block // 2
-  groups = q_BCNH.shape[2] // k_BCKH.shape[2]
+  groups = q_BTNH.shape[2] // k_BSKH.shape[2]
   own = attention_lib.splash_kernel(groups, block, block, save_residuals=True, interpret=interpret)
   length = half if zigzag else block
   whole = attention_lib.splash_kernel(groups, length, length, causal=False, save_residuals=True, interpret=interpret)
@@ -100,85 +101,85 @@ def splash_ring(q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array,
     """The rows (or keys) of `x` from `start` that kernel `which` attends, on `axis`."""
     return jax.lax.dynamic_slice_in_dim(x, start, (block, length)[which], axis)
 
-  def product(kernels, which, row, col, q_BKGCH, kv, segments_BC):
+  def product(kernels, which, row, col, q_BKGTH, kv, segments_BT):
     """The splash arguments of one product: kernel `which`, the queries from `row` and the held block's keys and
     values from `col`, with their segment ids."""
-    k_BKRH, v_BKRH, kv_segments_BR = (cut(x, col, axis, which) for x, axis in zip(kv, (2, 2, 1)))
-    q_BKGRH, segments_BR = cut(q_BKGCH, row, 3, which), cut(segments_BC, row, 1, which)
-    return kernels[which], q_BKGRH, k_BKRH, v_BKRH, segments_BR, kv_segments_BR
+    piece_k_BKSH, piece_v_BKSH, piece_kv_segments_BS = (cut(x, col, axis, which) for x, axis in zip(kv, (2, 2, 1)))
+    piece_q_BKGTH, piece_segments_BT = cut(q_BKGTH, row, 3, which), cut(segments_BT, row, 1, which)
+    return kernels[which], piece_q_BKGTH, piece_k_BKSH, piece_v_BKSH, piece_segments_BT, piece_kv_segments_BS
 
   def add(x, part, start, axis):
     return jax.lax.dynamic_update_slice_in_dim(
       x, jax.lax.dynamic_slice_in_dim(x, start, part.shape[axis], axis) + part, start, axis
     )
 
-  def forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC):
+  def forward(kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT):
     index = jax.lax.axis_index(axes)
-    kv = (k_BKCH, v_BKCH, segments_BC)
+    kv = (k_BKSH, v_BKSH, segments_BT)
     for step in range(shards):
       if step < shards - 1:
         next_kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)  # in flight during this step's products
       for which, row, col, visible in pieces(step, index):
-        out_BKGRH, lse_BKGR = attention_lib.splash_with_lse(
-          *product(kernels, which, row, col, q_BKGCH, kv, segments_BC)
+        piece_out_BKGTH, piece_lse_BKGT = attention_lib.splash_with_lse(
+          *product(kernels, which, row, col, q_BKGTH, kv, segments_BT)
         )
         if step == 0:
-          out_BKGCH, lse_BKGC = out_BKGRH.astype(jnp.float32), lse_BKGR
+          out_BKGTH, lse_BKGT = piece_out_BKGTH.astype(jnp.float32), piece_lse_BKGT
           continue
-        lse_BKGR = jnp.where(visible, lse_BKGR, -jnp.inf)
-        running_BKGRH, running_BKGR = cut(out_BKGCH, row, 3, which), cut(lse_BKGC, row, 3, which)
-        merged_BKGR = jnp.logaddexp(running_BKGR, lse_BKGR)
-        running_BKGRH = (
-          running_BKGRH * jnp.exp(running_BKGR - merged_BKGR)[..., None]
-          + out_BKGRH.astype(jnp.float32) * jnp.exp(lse_BKGR - merged_BKGR)[..., None]
+        piece_lse_BKGT = jnp.where(visible, piece_lse_BKGT, -jnp.inf)
+        running_out_BKGTH, running_lse_BKGT = cut(out_BKGTH, row, 3, which), cut(lse_BKGT, row, 3, which)
+        merged_lse_BKGT = jnp.logaddexp(running_lse_BKGT, piece_lse_BKGT)
+        running_out_BKGTH = (
+          running_out_BKGTH * jnp.exp(running_lse_BKGT - merged_lse_BKGT)[..., None]
+          + piece_out_BKGTH.astype(jnp.float32) * jnp.exp(piece_lse_BKGT - merged_lse_BKGT)[..., None]
         )
-        out_BKGCH = jax.lax.dynamic_update_slice_in_dim(out_BKGCH, running_BKGRH, row, 3)
-        lse_BKGC = jax.lax.dynamic_update_slice_in_dim(lse_BKGC, merged_BKGR, row, 3)
+        out_BKGTH = jax.lax.dynamic_update_slice_in_dim(out_BKGTH, running_out_BKGTH, row, 3)
+        lse_BKGT = jax.lax.dynamic_update_slice_in_dim(lse_BKGT, merged_lse_BKGT, row, 3)
       if step < shards - 1:
         # The next block's products wait for this one's merge: otherwise the compiler ran every step's kernel first
         # and kept each block's output and 128-lane log-sum-exp alive at once (BENCHMARKS.md, "Figures behind the
         # code").
-        (out_BKGCH, lse_BKGC), kv = jax.lax.optimization_barrier(((out_BKGCH, lse_BKGC), next_kv))
-    return out_BKGCH.astype(q_BKGCH.dtype), lse_BKGC
+        (out_BKGTH, lse_BKGT), kv = jax.lax.optimization_barrier(((out_BKGTH, lse_BKGT), next_kv))
+    return out_BKGTH.astype(q_BKGTH.dtype), lse_BKGT
 
   # The kernels are arguments (pytrees of their mask tables), not closed over: made while tracing the forward pass,
   # their arrays are that trace's values, which the backward pass, traced later, gets as residuals.
   @jax.custom_vjp
-  def attend(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC):
-    return forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC)[0]
+  def attend(kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT):
+    return forward(kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT)[0]
 
-  def attend_forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC):
-    out_BKGCH, lse_BKGC = forward(kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC)
-    return out_BKGCH, (kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC, out_BKGCH, lse_BKGC)
+  def attend_forward(kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT):
+    out_BKGTH, lse_BKGT = forward(kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT)
+    return out_BKGTH, (kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT, out_BKGTH, lse_BKGT)
 
-  def attend_backward(residuals, dout_BKGCH):
-    kernels, q_BKGCH, k_BKCH, v_BKCH, segments_BC, out_BKGCH, lse_BKGC = residuals
+  def attend_backward(residuals, dout_BKGTH):
+    kernels, q_BKGTH, k_BKSH, v_BKSH, segments_BT, out_BKGTH, lse_BKGT = residuals
     index = jax.lax.axis_index(axes)
-    dq_BKGCH = jnp.zeros(q_BKGCH.shape, jnp.float32)
-    kv = (k_BKCH, v_BKCH, segments_BC)
-    dkv = (jnp.zeros(k_BKCH.shape, jnp.float32), jnp.zeros(v_BKCH.shape, jnp.float32))
+    dq_BKGTH = jnp.zeros(q_BKGTH.shape, jnp.float32)
+    kv = (k_BKSH, v_BKSH, segments_BT)
+    dkv = (jnp.zeros(k_BKSH.shape, jnp.float32), jnp.zeros(v_BKSH.shape, jnp.float32))
     for step in range(shards):
       if step < shards - 1:
         next_kv = tuple(jax.lax.ppermute(x, axes, to_next) for x in kv)
       for which, row, col, visible in pieces(step, index):
         grads = attention_lib.splash_block_gradients(
-          *product(kernels, which, row, col, q_BKGCH, kv, segments_BC),
-          cut(out_BKGCH, row, 3, which),
-          cut(lse_BKGC, row, 3, which),
-          cut(dout_BKGCH, row, 3, which),
+          *product(kernels, which, row, col, q_BKGTH, kv, segments_BT),
+          cut(out_BKGTH, row, 3, which),
+          cut(lse_BKGT, row, 3, which),
+          cut(dout_BKGTH, row, 3, which),
         )
-        dq_BKGRH, dk_BKRH, dv_BKRH = (jnp.where(visible, g, 0).astype(jnp.float32) for g in grads)
-        dq_BKGCH = add(dq_BKGCH, dq_BKGRH, row, 3)
-        dkv = (add(dkv[0], dk_BKRH, col, 2), add(dkv[1], dv_BKRH, col, 2))
+        piece_dq_BKGTH, piece_dk_BKSH, piece_dv_BKSH = (jnp.where(visible, g, 0).astype(jnp.float32) for g in grads)
+        dq_BKGTH = add(dq_BKGTH, piece_dq_BKGTH, row, 3)
+        dkv = (add(dkv[0], piece_dk_BKSH, col, 2), add(dkv[1], piece_dv_BKSH, col, 2))
       dkv = tuple(jax.lax.ppermute(x, axes, to_next) for x in dkv)
       if step < shards - 1:
-        dq_BKGCH, kv = jax.lax.optimization_barrier((dq_BKGCH, next_kv))  # as in the forward pass
+        dq_BKGTH, kv = jax.lax.optimization_barrier((dq_BKGTH, next_kv))  # as in the forward pass
     # No cotangents for the kernels' mask tables and the (integer) segment ids.
-    return None, dq_BKGCH.astype(q_BKGCH.dtype), dkv[0].astype(k_BKCH.dtype), dkv[1].astype(v_BKCH.dtype), None
+    return None, dq_BKGTH.astype(q_BKGTH.dtype), dkv[0].astype(k_BKSH.dtype), dkv[1].astype(v_BKSH.dtype), None
 
   attend.defvjp(attend_forward, attend_backward)
-  q_BKGCH, k_BKCH, v_BKCH = attention_lib.kernel_layout(q_BCNH, k_BCKH, v_BCKH)
-  return attention_lib.from_kernel_layout(attend((own, whole), q_BKGCH, k_BKCH, v_BKCH, segments_BC), q_BCNH)
+  q_BKGTH, k_BKSH, v_BKSH = attention_lib.kernel_layout(q_BTNH, k_BSKH, v_BSKH)
+  return attention_lib.from_kernel_layout(attend((own, whole), q_BKGTH, k_BKSH, v_BKSH, segments_BT), q_BTNH)
 
 
 class Slices(NamedTuple):
@@ -186,8 +187,8 @@ class Slices(NamedTuple):
 
   axes: tuple[str, ...]  # the context mesh axes
   shards: int  # devices along them
-  q_len: int  # T, the whole sequence
-  block: int  # C = T / shards, each device's tokens
+  q_len: int  # the whole sequence's length
+  block: int  # q_len / shards, each device's tokens
   head_dim: int
   chunk: int | None  # query rows attended at a time (rematerialised), or None for a whole slice at once
   zigzag: bool  # the zigzag layout (device i holds chunks i and 2n-1-i of 2n)
@@ -297,40 +298,40 @@ def context_attention(
   return run(q_BTNH, k_BSKH, v_BSKH, segment_ids)
 
 
-def gathered_xla(s: Slices, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array) -> Array:
-  """ "all_gather" by the XLA kernel, on one device: its C queries against the whole gathered sequence, masked by
-  global index (by query chunks when `s.chunk`)."""
+def gathered_xla(s: Slices, q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, segments_BT: Array) -> Array:
+  """ "all_gather" by the XLA kernel, on one device: its slice's queries against the whole gathered sequence, masked
+  by global index (by query chunks when `s.chunk`)."""
   first = jax.lax.axis_index(s.axes) * s.block
-  k_BSKH, v_BSKH, segments_BS = (_all_gather(x, s.axes) for x in (k_BCKH, v_BCKH, segments_BC))
-  kv_positions_BS = jnp.broadcast_to(jnp.arange(s.q_len, dtype=jnp.int32), segments_BS.shape)
+  all_k_BSKH, all_v_BSKH, all_segments_BS = (_all_gather(x, s.axes) for x in (k_BSKH, v_BSKH, segments_BT))
+  kv_positions_BS = jnp.broadcast_to(jnp.arange(s.q_len, dtype=jnp.int32), all_segments_BS.shape)
 
-  def attend(q_BRNH, segments_BR, start):
-    q_positions_BR = jnp.broadcast_to(start + jnp.arange(q_BRNH.shape[1], dtype=jnp.int32), segments_BR.shape)
+  def attend(q_BTNH, segments_BT, start):
+    q_positions_BT = jnp.broadcast_to(start + jnp.arange(q_BTNH.shape[1], dtype=jnp.int32), segments_BT.shape)
     return attention_lib.xla_attention(
-      q_BRNH,
-      k_BSKH,
-      v_BSKH,
-      q_segment_ids=segments_BR,
-      kv_segment_ids=segments_BS,
-      q_positions=q_positions_BR,
+      q_BTNH,
+      all_k_BSKH,
+      all_v_BSKH,
+      q_segment_ids=segments_BT,
+      kv_segment_ids=all_segments_BS,
+      q_positions=q_positions_BT,
       kv_positions=kv_positions_BS,
     )
 
   if s.chunk is None:
-    return attend(q_BCNH, segments_BC, first)
-  return attention_lib.map_query_chunks(attend, q_BCNH, segments_BC, s.chunk, first)
+    return attend(q_BTNH, segments_BT, first)
+  return attention_lib.map_query_chunks(attend, q_BTNH, segments_BT, s.chunk, first)
 
 
-def gathered_splash(s: Slices, splash, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array) -> Array:
+def gathered_splash(s: Slices, splash, q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, segments_BT: Array) -> Array:
   """ "all_gather" by splash, on one device: its queries against the gathered keys, by the kernel's share of the
   mask tables (`splash`); the keys' and values' gradients reduce-scattered to their slices (`_gather_slices`)."""
-  segments_BS = _all_gather(segments_BC, s.axes)
-  k_BSKH, v_BSKH = (_gather_slices(x, s.axes, s.shards) for x in (k_BCKH, v_BCKH))
-  return attention_lib.splash_per_device(splash, q_BCNH, k_BSKH, v_BSKH, segments_BC, segments_BS)
+  all_segments_BS = _all_gather(segments_BT, s.axes)
+  all_k_BSKH, all_v_BSKH = (_gather_slices(x, s.axes, s.shards) for x in (k_BSKH, v_BSKH))
+  return attention_lib.splash_per_device(splash, q_BTNH, all_k_BSKH, all_v_BSKH, segments_BT, all_segments_BS)
 
 
 def _token_index(s: Slices, device: Array) -> Array:
-  """The global indices [C] of the tokens a device holds."""
+  """The global indices [T] of the tokens a device holds (T: its slice)."""
   if not s.zigzag:
     return device * s.block + jnp.arange(s.block, dtype=jnp.int32)
   half = jnp.arange(s.block // 2, dtype=jnp.int32)
@@ -338,22 +339,22 @@ def _token_index(s: Slices, device: Array) -> Array:
 
 
 def _merge_rows(head_dim: int, rows, k_BSKH, v_BSKH, kv_segments_BS, kv_index_S):
-  """One block of keys merged into some query rows' running (max, sum, output) [B, K, G, R(, H)]."""
-  q_BRKGH, q_index_BR, segments_BR, (max_BKGR, sum_BKGR, out_BKGRH) = rows
-  scores_BKGRS = jnp.einsum("BRKGH,BSKH->BKGRS", q_BRKGH, k_BSKH, preferred_element_type=jnp.float32)
-  scores_BKGRS = scores_BKGRS * (1.0 / np.sqrt(head_dim))
-  visible_BRS = (kv_index_S[None, None, :] <= q_index_BR[:, :, None]) & (
-    segments_BR[:, :, None] == kv_segments_BS[:, None, :]
+  """One block of keys merged into some query rows' running (max, sum, output) [B, K, G, T(, H)]."""
+  q_BTKGH, q_index_BT, segments_BT, (max_BKGT, sum_BKGT, out_BKGTH) = rows
+  scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+  scores_BKGTS = scores_BKGTS * (1.0 / np.sqrt(head_dim))
+  visible_BTS = (kv_index_S[None, None, :] <= q_index_BT[:, :, None]) & (
+    segments_BT[:, :, None] == kv_segments_BS[:, None, :]
   )
-  scores_BKGRS = jnp.where(visible_BRS[:, None, None], scores_BKGRS, attention_lib.MASK_VALUE)
-  new_max_BKGR = jnp.maximum(max_BKGR, scores_BKGRS.max(axis=-1))
-  probs_BKGRS = jnp.exp(scores_BKGRS - new_max_BKGR[..., None])
-  rescale_BKGR = jnp.exp(max_BKGR - new_max_BKGR)
-  sum_BKGR = sum_BKGR * rescale_BKGR + probs_BKGRS.sum(axis=-1)
-  out_BKGRH = out_BKGRH * rescale_BKGR[..., None] + jnp.einsum(
-    "BKGRS,BSKH->BKGRH", probs_BKGRS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
+  scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, attention_lib.MASK_VALUE)
+  new_max_BKGT = jnp.maximum(max_BKGT, scores_BKGTS.max(axis=-1))
+  probs_BKGTS = jnp.exp(scores_BKGTS - new_max_BKGT[..., None])
+  rescale_BKGT = jnp.exp(max_BKGT - new_max_BKGT)
+  sum_BKGT = sum_BKGT * rescale_BKGT + probs_BKGTS.sum(axis=-1)
+  out_BKGTH = out_BKGTH * rescale_BKGT[..., None] + jnp.einsum(
+    "BKGTS,BSKH->BKGTH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH, preferred_element_type=jnp.float32
   )
-  return new_max_BKGR, sum_BKGR, out_BKGRH
+  return new_max_BKGT, sum_BKGT, out_BKGTH
 
 
 def _merge(s: Slices, rows, *kv):
@@ -364,35 +365,35 @@ def _merge(s: Slices, rows, *kv):
   n, chunk = rows[0].shape[1] // s.chunk, s.chunk
   split = lambda x, axis: jnp.moveaxis(x.reshape(*x.shape[:axis], n, chunk, *x.shape[axis + 1 :]), axis, 0)  # noqa: E731
   joined = lambda x, axis: jnp.moveaxis(x, 0, axis).reshape(*x.shape[1 : axis + 1], -1, *x.shape[axis + 2 :])  # noqa: E731
-  q_BRKGH, q_index_BR, segments_BR, running = rows
-  chunks = (split(q_BRKGH, 1), split(q_index_BR, 1), split(segments_BR, 1), tuple(split(r, 3) for r in running))
+  q_BTKGH, q_index_BT, segments_BT, running = rows
+  chunks = (split(q_BTKGH, 1), split(q_index_BT, 1), split(segments_BT, 1), tuple(split(r, 3) for r in running))
   merged = jax.lax.map(jax.checkpoint(lambda rows: _merge_rows(s.head_dim, rows, *kv)), chunks)
   return tuple(joined(r, 3) for r in merged)
 
 
 # Each block's merge is rematerialised in the backward pass: only the running (max, sum, output) of each step are
-# kept, not its [C, C] scores (BENCHMARKS.md, "Figures behind the code").
+# kept, not its [T, S] scores (BENCHMARKS.md, "Figures behind the code").
 @functools.partial(jax.checkpoint, static_argnums=(0, 1))
 def _merge_block(s: Slices, step: int, index, queries, running, k_BSKH, v_BSKH, kv_segments_BS):
   """Step `step` of the ring on device `index`: the block of keys that came from `step` devices back merged into
-  this device's `queries` (q [B, C, K, G, H], their global indices and segment ids) and `running` state."""
-  q_BCKGH, q_index_BC, segments_BC = queries
+  this device's `queries` (q [B, T, K, G, H], their global indices and segment ids) and `running` state."""
+  q_BTKGH, q_index_BT, segments_BT = queries
   # Step 0 is the device's own block, where every query sees itself: the running max is a real score from then on,
   # so a later fully masked block adds exp(MASK_VALUE - max) = 0.
   source = (index - step) % s.shards
   kv = (k_BSKH, v_BSKH, kv_segments_BS, _token_index(s, source))
   if not s.zigzag or step == 0:
-    return _merge(s, (q_BCKGH, q_index_BC, segments_BC, running), *kv)
+    return _merge(s, (q_BTKGH, q_index_BT, segments_BT, running), *kv)
   # From an earlier device (source < index) the visible half is its early chunk against all this device's queries;
-  # from a later one, its whole block against this device's late chunk. Both are two [C/2, C/2] merges with one in
-  # common, the late queries against the early keys; the other pairs early queries with early keys, or late with
-  # late: the same slice offset of queries and keys, chosen on device. (A lax.cond between the two cases kept both
-  # cases' residuals for the backward pass: BENCHMARKS.md, "Figures behind the code".)
+  # from a later one, its whole block against this device's late chunk. Both are two merges of half the queries
+  # against half the keys, with one in common, the late queries against the early keys; the other pairs early queries
+  # with early keys, or late with late: the same slice offset of queries and keys, chosen on device. (A lax.cond
+  # between the two cases kept both cases' residuals for the backward pass: BENCHMARKS.md, "Figures behind the code".)
   half = s.block // 2
 
   def merge_slice(running, row_start, kv_start):
     rows_at = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, row_start, half, axis)  # noqa: E731
-    rows = (rows_at(q_BCKGH, 1), rows_at(q_index_BC, 1), rows_at(segments_BC, 1), [rows_at(r, 3) for r in running])
+    rows = (rows_at(q_BTKGH, 1), rows_at(q_index_BT, 1), rows_at(segments_BT, 1), [rows_at(r, 3) for r in running])
     keys = [jax.lax.dynamic_slice_in_dim(x, kv_start, half, 1) for x in (k_BSKH, v_BSKH, kv_segments_BS)]
     merged = _merge(s, rows, *keys, jax.lax.dynamic_slice_in_dim(kv[3], kv_start, half))
     return tuple(jax.lax.dynamic_update_slice_in_dim(r, m, row_start, 3) for r, m in zip(running, merged))
@@ -402,14 +403,14 @@ def _merge_block(s: Slices, step: int, index, queries, running, k_BSKH, v_BSKH, 
   return merge_slice(running, same, same)
 
 
-def ring_xla(s: Slices, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC: Array) -> Array:
+def ring_xla(s: Slices, q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, segments_BT: Array) -> Array:
   """ "ring" or "zigzag" by the XLA kernel, on one device: its queries stay, the blocks of keys and values go round
   the ring, each merged into the running softmax (`_merge_block`)."""
   index = jax.lax.axis_index(s.axes)
-  b, n_kv_heads = q_BCNH.shape[0], k_BCKH.shape[2]
-  q_BCKGH = q_BCNH.reshape(b, s.block, n_kv_heads, -1, s.head_dim)
-  groups = q_BCKGH.shape[3]
-  queries = (q_BCKGH, jnp.broadcast_to(_token_index(s, index), segments_BC.shape), segments_BC)
+  b, n_kv_heads = q_BTNH.shape[0], k_BSKH.shape[2]
+  q_BTKGH = q_BTNH.reshape(b, s.block, n_kv_heads, -1, s.head_dim)
+  groups = q_BTKGH.shape[3]
+  queries = (q_BTKGH, jnp.broadcast_to(_token_index(s, index), segments_BT.shape), segments_BT)
   to_next = [(i, (i + 1) % s.shards) for i in range(s.shards)]
   # Running max, softmax denominator and unnormalised output of each query row, in float32.
   running = (
@@ -417,39 +418,39 @@ def ring_xla(s: Slices, q_BCNH: Array, k_BCKH: Array, v_BCKH: Array, segments_BC
     jnp.zeros((b, n_kv_heads, groups, s.block), jnp.float32),
     jnp.zeros((b, n_kv_heads, groups, s.block, s.head_dim), jnp.float32),
   )
-  kv = (k_BCKH, v_BCKH, segments_BC)
+  kv = (k_BSKH, v_BSKH, segments_BT)
   for step in range(s.shards):
     running = _merge_block(s, step, index, queries, running, *kv)
     if step < s.shards - 1:
       kv = tuple(jax.lax.ppermute(x, s.axes, to_next) for x in kv)
-  _, sum_BKGC, out_BKGCH = running
-  out_BKGCH = out_BKGCH / sum_BKGC[..., None]
-  return out_BKGCH.transpose(0, 3, 1, 2, 4).reshape(q_BCNH.shape).astype(q_BCNH.dtype)
+  _, sum_BKGT, out_BKGTH = running
+  out_BKGTH = out_BKGTH / sum_BKGT[..., None]
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
 
-def _all_gather(x_BC: Array, axes: tuple[str, ...]) -> Array:
-  return jax.lax.all_gather(x_BC, axes, axis=1, tiled=True)
+def _all_gather(x: Array, axes: tuple[str, ...]) -> Array:
+  return jax.lax.all_gather(x, axes, axis=1, tiled=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_slices(x_BC: Array, axes: tuple[str, ...], shards: int) -> Array:
-  """The all-gather of a [B, C, ...] slice into [B, S, ...] (under ``shard_map``) whose gradient is reduce-scattered
-  over a new leading axis of the `shards` slices, [n, B, C, ...], rather than over the sequence axis in place: the
-  TPU compiler turns a reduce-scatter whose dimension is not the operand's major one into an all-reduce of the whole
-  sequence and a slice, which it did for splash's key and value gradients (the kernel lays out heads before
-  positions). The XLA blocks keep the plain all-gather, whose reduce-scatters this one made larger (BENCHMARKS.md,
-  "Figures behind the code")."""
-  return _all_gather(x_BC, axes)
+def _gather_slices(x: Array, axes: tuple[str, ...], shards: int) -> Array:
+  """The all-gather of a device's slice [B, slice, ...] into [B, S, ...] (under ``shard_map``) whose gradient is
+  reduce-scattered over a new leading axis of the `shards` slices, [shards, B, slice, ...], rather than over the
+  sequence axis in place: the TPU compiler turns a reduce-scatter whose dimension is not the operand's major one into
+  an all-reduce of the whole sequence and a slice, which it did for splash's key and value gradients (the kernel lays
+  out heads before positions). The XLA blocks keep the plain all-gather, whose reduce-scatters this one made larger
+  (BENCHMARKS.md, "Figures behind the code")."""
+  return _all_gather(x, axes)
 
 
-def _gather_slices_fwd(x_BC: Array, axes: tuple[str, ...], shards: int) -> tuple[Array, None]:
-  return _all_gather(x_BC, axes), None
+def _gather_slices_fwd(x: Array, axes: tuple[str, ...], shards: int) -> tuple[Array, None]:
+  return _all_gather(x, axes), None
 
 
 def _gather_slices_bwd(axes: tuple[str, ...], shards: int, _, g_BS: Array) -> tuple[Array]:
   batch, length, *rest = g_BS.shape
-  g_nBC = jnp.moveaxis(g_BS.reshape(batch, shards, length // shards, *rest), 1, 0)
-  return (jax.lax.psum_scatter(g_nBC, axes, scatter_dimension=0, tiled=False),)
+  g_slices = jnp.moveaxis(g_BS.reshape(batch, shards, length // shards, *rest), 1, 0)
+  return (jax.lax.psum_scatter(g_slices, axes, scatter_dimension=0, tiled=False),)
 
 
 _gather_slices.defvjp(_gather_slices_fwd, _gather_slices_bwd)
@@ -477,9 +478,9 @@ def _move_chunks(x: Array | None, logical_axes: tuple[str | None, ...], inverse:
   if inverse:
     even, odd = [(b, a) for a, b in even], [(b, a) for a, b in odd]
 
-  def local(x_BC):
-    half = x_BC.shape[1] // 2
-    first, second = x_BC[:, :half], x_BC[:, half:]
+  def local(x_BT):
+    half = x_BT.shape[1] // 2
+    first, second = x_BT[:, :half], x_BT[:, half:]
     # On an even device of the zigzag layout the early chunk is the even one; on an odd device, the odd one.
     even_device = jax.lax.axis_index(axes) % 2 == 0
     if inverse:

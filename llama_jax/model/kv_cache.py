@@ -1,5 +1,5 @@
 """The decoding cache: explicit pytrees passed into and returned from the model's `decode` (never module state).
-Axis legend as in llama.py."""
+Axis letters: llama.py's legend."""
 
 from __future__ import annotations
 

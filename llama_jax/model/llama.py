@@ -1,12 +1,23 @@
 """LLaMA 2 as flax.nnx modules: RMSNorm, rotary embedding, grouped-query attention, SwiGLU MLP, Block, Llama.
 
-Axis legend used in every einsum and array name of the package:
-  B batch, T query length, S key/value length, N query heads, K kv heads, G = N / K query heads per kv head,
-  H head dim, D model dim, F mlp hidden, V vocab, L layers,
-  P padded prompt length (a decoding bucket), C query chunk (chunked attention; the chunked loss's positions per chunk),
-  W chunks of a sequence (the chunked loss, loss.py), Q = G·T query rows per kv head (cached attention), X any head
-  axis (N or K: RoPE rotates queries and keys alike), R LoRA rank (lora.py); E experts, M tokens flattened (B·T),
-  J top-k choices, A assignments, U expert slots, Y tile rows, Z tiles (mixture of experts, moe.py).
+Axis legend of the whole package, defined here only: the shape suffix of an array name (``q_BTNH``) and the
+upper-case letters of an einsum use these letters, each with this meaning and no other.
+  B batch
+  T query length: the positions being computed (a sequence, a prompt, a padded prompt bucket, a query chunk, a
+    device's slice of the sequence)
+  S key/value length: the positions attended to
+  N query heads
+  K kv heads
+  G query heads per kv head (N / K)
+  H head dim
+  D model dim
+  F MLP hidden dim
+  V vocabulary
+  L layers
+  E experts
+Every other dimension (LoRA rank, chunks, a mixture of experts' flattened tokens, top-k choices, slots, tiles ...)
+has no letter: its array is named without a suffix and its shape spelled out in words where it is made, and an
+einsum writes it as a lower-case letter explained in a comment beside it.
 
 Parameters carry logical axis names (see ``run_config.DEFAULT_LOGICAL_AXIS_RULES``); the mesh mapping lives in the run
 config, never here. Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
@@ -84,27 +95,27 @@ def project(
   preferred_element_type=None,
   lora: tuple[Array, Array, float] | None = None,
 ) -> Array:
-  """x[..., I] · w[I, O...] as one 2-D matrix product in x's dtype, for every projection of the model; with an int8
-  model's `scale` [O...], the int8 weight is widened inside the product and the output scaled per channel. With
-  `lora` = (A [I..., R], B [R, O...], s) (lora.py), adds s·(x·A)·B: two thin products through the rank R, so
-  neither the forward nor the gradients ever form an [I, O] matrix for the adapter.
+  """x[..., in] · w[in, out...] as one 2-D matrix product in x's dtype, for every projection of the model; with an
+  int8 model's `scale` [out...], the int8 weight is widened inside the product and the output scaled per channel.
+  With `lora` = (A [in..., rank], B [rank, out...], s) (lora.py), adds s·(x·A)·B: two thin products through the
+  rank, so neither the forward nor the gradients ever form an [in, out] matrix for the adapter.
 
   Same numbers as the einsum it replaces (written next to each call), but XLA's CPU backend runs a 2-D dot and its
   weight gradient far faster than the same contraction written over [B, T] (BENCHMARKS.md, "Figures behind the
   code"). The reshapes are free (contiguous) and keep shardings, since
   the batch stays the major axis. Scaling the output is the same math as scaling the weight's output channels, on
-  [B·T, O] values instead of [I, O], and never holds a float copy of the weight. The scale is applied in the
+  [B·T, out] values instead of [in, out], and never holds a float copy of the weight. The scale is applied in the
   output's dtype (float32 for the logits, which accumulate in float32).
   """
   lead_shape, out_shape = x.shape[:-1], w.shape[1:]
-  w_IO = w.reshape(w.shape[0], -1).astype(x.dtype)
-  y = jnp.dot(x.reshape(-1, x.shape[-1]), w_IO, preferred_element_type=preferred_element_type)
+  w_matrix = w.reshape(w.shape[0], -1).astype(x.dtype)  # [in, out]
+  y = jnp.dot(x.reshape(-1, x.shape[-1]), w_matrix, preferred_element_type=preferred_element_type)
   y = y.reshape(*lead_shape, *out_shape)
   y = y if scale is None else y * scale.astype(y.dtype)
   if lora is not None:  # after the int8 scale: the adapter's product is float already
     a, b, lora_scale = lora
     rank = a.shape[-1]
-    low_rank = jnp.dot(x.reshape(-1, x.shape[-1]), a.reshape(-1, rank).astype(x.dtype))  # [B·T, R]
+    low_rank = jnp.dot(x.reshape(-1, x.shape[-1]), a.reshape(-1, rank).astype(x.dtype))  # [B·T, rank]
     update = lora_scale * jnp.dot(low_rank, b.reshape(rank, -1).astype(x.dtype))
     y = y + update.reshape(*lead_shape, *out_shape).astype(y.dtype)
   return y
@@ -168,9 +179,9 @@ class Attention(nnx.Module):
   def output_projection(self, out_BTNH: Array) -> Array:
     """The heads' outputs [B, T, N, H] projected back to the model dim [B, T, D] by wo."""
     b, t, n, h = out_BTNH.shape
-    wo_ID = self.wo[...].reshape(n * h, -1)
+    wo_matrix = self.wo[...].reshape(n * h, -1)  # [N·H, D]
     return project(
-      out_BTNH.reshape(b, t, n * h), wo_ID, _value(self.wo_scale), lora=lora_lib.factors(self, "wo")
+      out_BTNH.reshape(b, t, n * h), wo_matrix, _value(self.wo_scale), lora=lora_lib.factors(self, "wo")
     )  # BTNH,NHD->BTD
 
   @jax.named_scope("attention")
@@ -275,11 +286,13 @@ class MoE(nnx.Module):
     """(output [B, T, D], this layer's router sums (moe.router_sums) over the tokens where `mask_BT` is true)."""
     cfg = self.cfg.moe
     b, t, d = x_BTD.shape
-    x_MD = x_BTD.reshape(b * t, d)
-    logits_ME = project(x_MD, self.router[...], preferred_element_type=jnp.float32)  # MD,DE->ME
-    weights_MJ, experts_MJ, probs_ME = moe_lib.route(logits_ME, cfg)
+    x = x_BTD.reshape(b * t, d)  # [tokens, D]: the call's B·T tokens, as moe.py takes them
+    router_logits = project(x, self.router[...], preferred_element_type=jnp.float32)  # mD,DE->mE, m: tokens
+    choice_weights, choice_experts, router_probs = moe_lib.route(router_logits, cfg)
     experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    sums = moe_lib.router_sums(logits_ME, probs_ME, experts_MJ, None if mask_BT is None else mask_BT.reshape(-1))
+    sums = moe_lib.router_sums(
+      router_logits, router_probs, choice_experts, None if mask_BT is None else mask_BT.reshape(-1)
+    )
     grouped = cfg.grouped
     if grouped == "auto":
       grouped = "tiles" if sharding.target_platform() == "cpu" else "ragged_dot"
@@ -289,10 +302,10 @@ class MoE(nnx.Module):
       # Per device (shard_map): each device routes its own tokens, to its own experts or, with mesh.expert > 1,
       # to the experts' devices by all-to-all. Left to the compiler, sorting the batch-sharded tokens gathered every
       # token everywhere (BENCHMARKS.md, "Figures behind the code").
-      y_MD, dropped = moe_lib.sharded_experts(
-        x_MD,
-        weights_MJ,
-        experts_MJ,
+      y, dropped = moe_lib.sharded_experts(
+        x,
+        choice_weights,
+        choice_experts,
         experts,
         [EXPERT_AXES[name] for name in ("w_gate", "w_up", "w_down")],
         grouped=grouped,
@@ -301,12 +314,12 @@ class MoE(nnx.Module):
       if cfg.compute == "capacity":
         sums["dropped"] = dropped
     elif cfg.compute == "dense":
-      y_MD = moe_lib.dense(x_MD, weights_MJ, experts_MJ, *experts)
+      y = moe_lib.dense(x, choice_weights, choice_experts, *experts)
     elif cfg.compute == "capacity":
-      y_MD, sums["dropped"] = moe_lib.capacity(x_MD, weights_MJ, experts_MJ, *experts, cfg.capacity_factor)
+      y, sums["dropped"] = moe_lib.capacity(x, choice_weights, choice_experts, *experts, cfg.capacity_factor)
     else:
-      y_MD = moe_lib.dropless(x_MD, weights_MJ, experts_MJ, *experts, grouped)
-    return y_MD.reshape(b, t, d), sums
+      y = moe_lib.dropless(x, choice_weights, choice_experts, *experts, grouped)
+    return y.reshape(b, t, d), sums
 
 
 class Block(nnx.Module):

@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters on the model's projections, trained while the base model stays frozen.
 
 A targeted projection W [in..., out...] (``wq`` [D, N, H], ``wo`` [N, H, D], ``w_down`` [F, D] ...) gets
-A [in..., R] and B [R, out...] (R the rank) and computes ``x·W + (alpha / R)·(x·A)·B`` in ``llama.project``: the
+A [in..., rank] and B [rank, out...] and computes ``x·W + (alpha / rank)·(x·A)·B`` in ``llama.project``: the
 product through the rank never forms a [in, out] matrix, in the forward or in the gradients. A starts as peft does
 (uniform in ±1/sqrt(in), its kaiming-uniform with a=√5) and B at zeros, so an untrained adapter changes nothing. A
 and B follow the sharding of W's input and output axes; the rank axis is never sharded. Adapters are float32 whatever
@@ -106,7 +106,7 @@ def with_frozen(params: Any, frozen: Any) -> Any:
 
 
 def delta(a: Any, b: Any, scale: float, n_in: int) -> jax.Array:
-  """scale·A·B as a weight of the base's shape: A [lead..., in..., R], B [lead..., R, out...] with `n_in` input
+  """scale·A·B as a weight of the base's shape: A [lead..., in..., rank], B [lead..., rank, out...] with `n_in` input
   axes (lead: the stacked layers axis, or none) → [lead..., in..., out...], as one batched matrix product."""
   rank, lead = a.shape[-1], a.shape[: a.ndim - n_in - 1]
   in_shape, out_shape = a.shape[len(lead) : -1], b.shape[len(lead) + 1 :]

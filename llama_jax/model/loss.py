@@ -50,11 +50,11 @@ def losses_and_router(
   """Per-token cross-entropy [B, T] (float32), the per-token weights (loss mask; 1 where absent), and a mixture of
   experts' balance terms of this batch (`moe_terms`; an empty dict for a dense model).
 
-  With the model's `loss_chunk` C > 0 the head and the cross-entropy run over C positions at a time in a scan whose
-  body is rematerialised: the backward pass recomputes a chunk's logits instead of keeping them, so at most one
-  chunk's [B, C, V] logits (and their gradient) exist at once (per context slice: `_chunked_cross_entropy`). The
-  last chunk is padded; its extra positions are cut off. Each position's loss is the same function of its own logits
-  row either way."""
+  With the model's `loss_chunk` > 0 the head and the cross-entropy run over that many positions at a time in a scan
+  whose body is rematerialised: the backward pass recomputes a chunk's logits instead of keeping them, so at most one
+  chunk's [B, loss_chunk, V] logits (and their gradient) exist at once (per context slice: `_chunked_cross_entropy`).
+  The last chunk is padded; its extra positions are cut off. Each position's loss is the same function of its own
+  logits row either way."""
   model = nnx.merge(graphdef, params)
   targets_BT = batch["targets"]
   x_BTD, router = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
@@ -97,10 +97,10 @@ def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, chunk: int) -> jax.Array:
-  """`losses_and_router`'s scan over chunks. With the sequence split over context axes into S slices, the chunks are
-  cut within each slice and every scan step takes one chunk from each ([B, S·C] positions, each device its own C):
-  chunks of the whole sequence put each step's positions on one device, so the devices took turns, and the head's
-  weights were gathered and reduced at every step (BENCHMARKS.md, "Figures behind the code")."""
+  """`losses_and_router`'s scan over chunks. With the sequence split over context axes into slices, the chunks are
+  cut within each slice and every scan step takes one chunk from each ([B, slices·chunk] positions, each device its
+  own chunk): chunks of the whole sequence put each step's positions on one device, so the devices took turns, and
+  the head's weights were gathered and reduced at every step (BENCHMARKS.md, "Figures behind the code")."""
   batch, length = targets_BT.shape
   _, slices = sharding.context_axes()
   slices = slices if length % slices == 0 else 1
@@ -109,11 +109,12 @@ def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, 
   pad = n_chunks * chunk - per_slice
 
   def chunked(x_BT):
-    """[B, T, ...] → [W, B, S·C, ...]: chunk w of every slice side by side, each slice's last chunk padded."""
+    """[B, T, ...] → [chunks, B, slices·chunk, ...]: chunk w of every slice side by side, each slice's last chunk
+    padded."""
     rest = x_BT.shape[2:]
-    x_BSP = jnp.pad(x_BT.reshape(batch, slices, per_slice, *rest), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * len(rest))
-    x_BSWC = x_BSP.reshape(batch, slices, n_chunks, chunk, *rest)
-    return jnp.moveaxis(x_BSWC, 2, 0).reshape(n_chunks, batch, slices * chunk, *rest)
+    padded = jnp.pad(x_BT.reshape(batch, slices, per_slice, *rest), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * len(rest))
+    by_chunk = padded.reshape(batch, slices, n_chunks, chunk, *rest)  # [B, slices, chunks, chunk, ...]
+    return jnp.moveaxis(by_chunk, 2, 0).reshape(n_chunks, batch, slices * chunk, *rest)
 
   head = None  # model.loss_head_once "none": each chunk reads (and gathers) the head itself
   if model.cfg.loss_head_once != "none":
@@ -123,13 +124,13 @@ def _chunked_cross_entropy(model: Any, x_BTD: jax.Array, targets_BT: jax.Array, 
 
   @jax.checkpoint
   def one_chunk(_, inputs):
-    x_BXD, chunk_targets_BX = inputs
-    x_BXD = sharding.constrain(x_BXD, ("activation_batch", "activation_length", "activation_embed"))
-    return None, _cross_entropy(model.logits(x_BXD, head), chunk_targets_BX)
+    chunk_x_BTD, chunk_targets_BT = inputs  # T: this step's slices·chunk positions
+    chunk_x_BTD = sharding.constrain(chunk_x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+    return None, _cross_entropy(model.logits(chunk_x_BTD, head), chunk_targets_BT)
 
-  _, losses_WBX = jax.lax.scan(one_chunk, None, (chunked(x_BTD), chunked(targets_BT)))
-  losses_BSWC = jnp.moveaxis(losses_WBX.reshape(n_chunks, batch, slices, chunk), 0, 2)
-  return losses_BSWC.reshape(batch, slices, n_chunks * chunk)[:, :, :per_slice].reshape(batch, length)
+  _, chunk_losses = jax.lax.scan(one_chunk, None, (chunked(x_BTD), chunked(targets_BT)))  # [chunks, B, slices·chunk]
+  losses_by_chunk = jnp.moveaxis(chunk_losses.reshape(n_chunks, batch, slices, chunk), 0, 2)
+  return losses_by_chunk.reshape(batch, slices, n_chunks * chunk)[:, :, :per_slice].reshape(batch, length)
 
 
 def _gathered(head_DV: jax.Array) -> jax.Array:

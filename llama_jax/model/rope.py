@@ -2,7 +2,7 @@
 
 Layout: the HF transformers convention (rotate the two *halves* of each head, ``rotate_half``), so HF Llama weights
 load without any permutation. Meta's original checkpoints rotate *interleaved pairs*; their wq/wk rows must be
-permuted on the way in (see ``interop.meta.permute_meta_qk``). Axis legend as in llama.py.
+permuted on the way in (see ``interop.meta.permute_meta_qk``). Axis letters: llama.py's legend.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ class RotaryEmbedding(nnx.Module):
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
 
-  def __call__(self, x_BTXH: Array, positions_BT: Array) -> Array:
+  def __call__(self, x: Array, positions_BT: Array) -> Array:
+    """`x` [B, T, heads, H] rotated by `positions_BT`: the queries (N heads) and the keys (K heads) alike."""
     inv_freq = jnp.asarray(rope_inverse_frequencies(self.cfg))
     # Angles in float32: bf16 positions × frequencies lose whole radians past a few hundred tokens.
-    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    cos = jnp.cos(angles_BTh)[:, :, None, :]
-    sin = jnp.sin(angles_BTh)[:, :, None, :]
-    x1, x2 = jnp.split(x_BTXH.astype(jnp.float32), 2, axis=-1)
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BTXH.dtype)
+    return rotated.astype(x.dtype)

@@ -130,7 +130,7 @@ def test_adapters_start_as_peft_does_and_change_nothing_at_init():
   a, b = adapters["layers"]["attention"]["wq_lora_a"], adapters["layers"]["attention"]["wq_lora_b"]
   assert a.shape == (cfg.n_layers, cfg.dim, 4) and b.shape == (cfg.n_layers, 4, cfg.n_heads, cfg.head_dim)
   assert a.dtype == b.dtype == jnp.float32
-  bound = 1 / np.sqrt(cfg.dim)  # peft: kaiming_uniform(a=√5) on lora_A [R, in] is uniform in ±1/sqrt(in)
+  bound = 1 / np.sqrt(cfg.dim)  # peft: kaiming_uniform(a=√5) on lora_A [rank, in] is uniform in ±1/sqrt(in)
   assert 0.9 * bound < float(jnp.abs(a).max()) <= bound and not np.asarray(b).any()
   wo_a = adapters["layers"]["attention"]["wo_lora_a"]
   assert wo_a.shape == (cfg.n_layers, cfg.n_heads, cfg.head_dim, 4)  # wo's input is all heads
