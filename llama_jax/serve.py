@@ -71,7 +71,7 @@ def serve(args) -> None:
     loopback_only=access.loopback_only,
     stream_buffer_tokens=args.stream_buffer_tokens,
   )
-  seconds = engine.warmup()
+  compiled = "programs compile on first use" if args.skip_warmup else f"programs compiled in {engine.warmup():.1f} s"
   engine.start()
   if not access.loopback_only and not access.api_key:
     print(
@@ -81,7 +81,7 @@ def serve(args) -> None:
     )
   print(
     f"serving {name!r} on http://{args.host}:{args.port} ({engine.slots} slots × {engine.max_len} tokens"
-    f"{', API key required' if access.api_key else ''}; programs compiled in {seconds:.1f} s)",
+    f"{', API key required' if access.api_key else ''}; {compiled})",
     file=sys.stderr,
     flush=True,
   )
@@ -169,6 +169,12 @@ def add_serve_flags(parser) -> None:
     type=int,
     default=STREAM_BUFFER_TOKENS,
     help="tokens of a stream that may wait for a client that reads nothing before the request is cancelled",
+  )
+  parser.add_argument(
+    "--skip_warmup",
+    action="store_true",
+    help="answer at once and compile each program when a request first needs it (a quicker start for development; "
+    "the first request of each prompt length then waits for its compile)",
   )
   parser.add_argument("--model_name", help="the model id clients use (default: the checkpoint's directory name)")
   parser.add_argument("--max_body_mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body accepted")

@@ -113,7 +113,9 @@ def test_served_streamed_chat_equals_generate(smollm2):
   messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
   want = chat_reply(model, tokenizer, messages, 40)
   env = {"LLAMA_JAX_API_KEY": "k"}
-  flags = ("--slots", "1", "--max_len", "128", "--model_name", "smollm2")
+  # --skip_warmup: the two programs this chat needs compile when it comes, not the eight of every prompt length (a
+  # 30-layer model's); tests/serving/test_server.py serves with the warm-up.
+  flags = ("--slots", "1", "--max_len", "128", "--model_name", "smollm2", "--skip_warmup")
   with live_server.cli_serving(checkpoint, *flags, env=env) as (url, server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="k")
     stream = client.chat.completions.create(
