@@ -23,7 +23,7 @@ from tests.conftest import needs_shakespeare
 
 pytestmark = needs_shakespeare
 
-SHORT_S = 45
+SHORT_S = 20
 STRESS_S = 20 * 60
 SLOTS = 4
 CLIENTS = 12  # three per slot: a queue forms, and requests wait in it when their clients hang up
@@ -163,7 +163,7 @@ def soak(checkpoint_dir: str, expected, seconds: float) -> None:
   flags = ["--slots", str(SLOTS), "--max_len", "128", "--model_name", "tiny", "--request_timeout_s", "10"]
   with live_server.cli_serving(checkpoint_dir, *flags, env={"LLAMA_JAX_API_KEY": KEY}) as (url, server):
     port = int(url.rsplit(":", 1)[1])
-    warm = traffic(port, prompts, answers, min(15.0, seconds / 3), seed=0)
+    warm = traffic(port, prompts, answers, min(15.0, seconds / 2), seed=0)
     start = settled_state(url, server.pid)
     began = time.monotonic()
     run = traffic(port, prompts, answers, seconds, seed=1, at_least=AT_LEAST)
