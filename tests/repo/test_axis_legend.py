@@ -6,31 +6,22 @@ it in lower case, explained in a comment of its function (`# r: LoRA rank`)."""
 import ast
 import io
 import itertools
-import pathlib
 import re
 import tokenize
 
-from tests.conftest import ROOT
+from tests.repo.test_layout import PACKAGE, modules
 
-PACKAGE = pathlib.Path(ROOT) / "llama_jax"
 MAX_LETTERS = 12  # past a dozen letters nobody holds the legend in their head, and letters start to mean two things
 
 
-def legend(package: pathlib.Path = PACKAGE) -> list[str]:
+def legend() -> list[str]:
   """The legend's letters, in order: each `X meaning` of the indented block under "Axis legend" in llama.py's module
   docstring, one a line (a meaning's continuation lines indented further), or several on a line after a comma."""
-  lines = ast.get_docstring(ast.parse((package / "model" / "llama.py").read_text())).splitlines()
+  lines = ast.get_docstring(ast.parse((PACKAGE / "model" / "llama.py").read_text())).splitlines()
   start = next((i for i, line in enumerate(lines) if line.startswith("Axis legend")), len(lines))
   block = itertools.dropwhile(lambda line: not line.startswith("  "), lines[start:])
   block = "\n".join(itertools.takewhile(lambda line: line.startswith("  "), block))
   return re.findall(r"(?:^ +|[,;] )([A-Z]) (?=[^\s=])", block, flags=re.M)
-
-
-def modules(package: pathlib.Path = PACKAGE):
-  """(path relative to the repository, source, syntax tree) of every module of the package."""
-  for path in sorted(package.rglob("*.py")):
-    source = path.read_text()
-    yield path.relative_to(package.parent), source, ast.parse(source)
 
 
 def identifiers(tree: ast.AST):
@@ -83,7 +74,7 @@ def test_the_legend_is_short_says_each_letter_once_and_lives_in_llama_py():
   assert len(letters) == len(set(letters)), f"a letter defined twice: {letters}"
   assert len(letters) <= MAX_LETTERS, f"the legend has {len(letters)} letters, at most {MAX_LETTERS}: {letters}"
   elsewhere = [
-    str(path) for path, source, _ in modules() if "Axis legend" in source and path.parts[-2:] != ("model", "llama.py")
+    name for name, path, _ in modules() if "Axis legend" in path.read_text() and name != "llama_jax.model.llama"
   ]
   assert not elsewhere, f"modules with a legend of their own (point to llama.py's instead): {elsewhere}"
 
@@ -92,8 +83,8 @@ def test_shape_suffixes_use_only_the_legend():
   letters = set(legend())
   offenders = sorted(
     {
-      f"{path}:{line}:{name}"
-      for path, _, tree in modules()
+      f"{module}:{line}:{name}"
+      for module, _, tree in modules()
       for line, name in identifiers(tree)
       if set(shape_letters(name)) - letters
     }
@@ -107,10 +98,10 @@ def test_shape_suffixes_use_only_the_legend():
 def test_einsums_use_the_legend_and_explain_their_other_letters():
   letters = set(legend())
   offenders = []
-  for path, source, tree in modules():
-    notes = comments(source)
+  for module, path, tree in modules():
+    notes = comments(path.read_text())
     for call, function, spec in einsums(tree):
-      where = f"{path}:{call.lineno}: {spec!r}"
+      where = f"{module}:{call.lineno}: {spec!r}"
       if outside := sorted(set(re.findall("[A-Z]", spec)) - letters):
         offenders.append(f"{where} has upper-case {outside} outside the legend")
       # A lower-case letter is a dimension the legend does not name: a comment of its function says which ("m: ...").
